@@ -1,0 +1,1 @@
+"""Benchmarks: the decode throughput sweep (``oasiskv bench``), kernel timings, roofline helpers."""

@@ -1,0 +1,196 @@
+"""``oasiskv bench``: decode throughput over context length x concurrency x output length.
+
+For each point, ``concurrency`` requests with random prompt tokens of ``context`` length are
+prefilled (not timed), then every decode step is timed. Reported per point: output tok/s, TPOT
+(ms per decode step), mean running batch, KV bytes read per step, achieved bytes/s (weights + KV per
+step over step time) and its ratio to the measured device copy bandwidth (the roofline). With
+``--engine hf`` transformers' ``generate`` runs the same points in the same process as a baseline.
+Prints a table, writes an optional PNG, and ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from oasiskv.bench.roofline import measure_copy_bandwidth, weight_bytes
+from oasiskv.config import EngineConfig
+from oasiskv.engine.llm_engine import LLMEngine
+from oasiskv.sampling_params import SamplingParams
+
+
+@dataclass
+class Point:
+    engine: str
+    context: int
+    concurrency: int
+    output_len: int
+    batch: float = 0.0
+    tok_s: float = 0.0
+    tpot_ms: float = 0.0
+    kv_gb_per_step: float = 0.0
+    achieved_gb_s: float = 0.0
+    roofline: float = 0.0
+    note: str = ""
+
+
+def _ints(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="qwen3-8b",
+                        help="bench preset (qwen3-8b, qwen3-32b, llama-3.1-8b, qwen3-tiny) with random weights, "
+                             "or a checkpoint folder")
+    parser.add_argument("--context-lens", default="16384,32768", help="prompt lengths, comma separated")
+    parser.add_argument("--concurrency", default="1,8,max",
+                        help="requests per point; 'max' = the most that fit in the KV pool")
+    parser.add_argument("--output-lens", default="128", help="generated tokens per request")
+    parser.add_argument("--engine", default="oasiskv", help="oasiskv, hf, or oasiskv,hf")
+    parser.add_argument("--hf-max-batch", type=int, default=8, help="largest batch given to the hf baseline")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--num-kv-blocks", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--plot", default=None, help="write a PNG of tok/s per point here")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    contexts = [int(c) for c in _ints(args.context_lens)]
+    outputs = [int(o) for o in _ints(args.output_lens)]
+    concurrencies = _ints(args.concurrency)
+    engines = _ints(args.engine)
+    from oasiskv.models.loader import preset_names
+    load_format = "dummy" if args.model in preset_names() else "auto"
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=load_format,
+                          max_model_len=max(contexts) + max(outputs) + 1,
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                          enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs)
+    points: list[Point] = []
+    env = {}
+    if "oasiskv" in engines:
+        engine = LLMEngine(config)
+        env = _environment(engine)
+        grid = [(c, n, o) for c in contexts for n in concurrencies for o in outputs]
+        for ctx, conc, out in tqdm(grid, desc="oasiskv bench", file=sys.stderr):
+            points.append(bench_point(engine, ctx, conc, out, env, args.seed))
+        hf_model_path, dtype, device = engine.model_path, engine.runner.dtype, engine.runner.device
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    else:
+        from oasiskv.engine.model_runner import resolve_device
+        from oasiskv.config import ModelConfig, parse_dtype
+        from oasiskv.models.loader import resolve_model_path
+        hf_model_path = resolve_model_path(args.model)
+        device = resolve_device(args.device)
+        dtype = parse_dtype(args.dtype) or (ModelConfig.from_file(hf_model_path / "config.json").dtype
+                                            if device.type == "cuda" else torch.float32)
+    if "hf" in engines:
+        from oasiskv.bench.hf_baseline import bench_hf
+        env.setdefault("copy_gb_s", measure_copy_bandwidth(device) / 1e9)
+        for ctx in contexts:
+            for conc in concurrencies:
+                for out in outputs:
+                    points.append(bench_hf(hf_model_path, load_format == "dummy", dtype, device, ctx,
+                                           conc, out, args.hf_max_batch, env["copy_gb_s"], args.seed))
+    print_table(points, env)
+    if args.plot:
+        plot(points, args.plot)
+    print(json.dumps({"environment": env, "model": args.model, "points": [asdict(p) for p in points]}))
+    return 0
+
+
+def _environment(engine: LLMEngine) -> dict:
+    device = engine.runner.device
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "copy_gb_s": measure_copy_bandwidth(device) / 1e9,
+        "weights_gb": weight_bytes(engine.runner.model) / 1e9,
+        "kv_pool_tokens": engine.runner.num_blocks * engine.config.block_size,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "torch": torch.__version__,
+    }
+
+
+def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
+    per_request = -(-(context + output_len) // engine.config.block_size)
+    return max(1, min(engine.runner.num_blocks // per_request, engine.config.max_num_seqs))
+
+
+def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict, seed: int) -> Point:
+    n = max_concurrency(engine, context, output_len) if concurrency == "max" else int(concurrency)
+    point = Point("oasiskv", context, n, output_len)
+    if n > max_concurrency(engine, context, output_len):
+        point.note = "does not fit in the KV pool"
+        return point
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for _ in range(n):
+        engine.add_request([rng.randrange(1, vocab) for _ in range(context)], params)
+    kv_per_token = engine.model_config.kv_bytes_per_token(engine.runner.dtype)
+    steps, seconds, batch_sum, kv_bytes = 0, 0.0, 0, 0
+    while engine.has_unfinished():
+        context_tokens = sum(len(seq) for seq in engine.scheduler.running)  # what a decode step attends to
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        s = engine.stats
+        if not s.last_step_prefill:
+            steps, seconds, batch_sum = steps + 1, seconds + dt, batch_sum + s.last_batch_size
+            kv_bytes += context_tokens * kv_per_token
+    if steps:
+        point.batch = batch_sum / steps
+        point.tok_s = batch_sum / seconds
+        point.tpot_ms = 1e3 * seconds / steps
+        point.kv_gb_per_step = kv_bytes / steps / 1e9
+        point.achieved_gb_s = (env["weights_gb"] + point.kv_gb_per_step) / (seconds / steps)
+        point.roofline = point.achieved_gb_s / env["copy_gb_s"]
+    if engine.stats.num_preemptions:
+        point.note = f"{engine.stats.num_preemptions} preemptions so far"
+    return point
+
+
+def print_table(points: list[Point], env: dict) -> None:
+    print(f"\ndevice={env.get('device')} dtype={env.get('dtype')} copy_bw={env.get('copy_gb_s', 0):.0f} GB/s "
+          f"weights={env.get('weights_gb', 0):.2f} GB kv_pool_tokens={env.get('kv_pool_tokens')} "
+          f"cuda_graphs={env.get('cuda_graphs')}")
+    head = f"{'engine':8} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} {'TPOT ms':>8} " \
+           f"{'KV GB/step':>10} {'GB/s':>8} {'roofline':>8}  note"
+    print(head)
+    print("-" * len(head))
+    for p in points:
+        print(f"{p.engine:8} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} {p.tok_s:9.1f} "
+              f"{p.tpot_ms:8.2f} {p.kv_gb_per_step:10.2f} {p.achieved_gb_s:8.0f} {p.roofline:8.2f}  {p.note}")
+
+
+def plot(points: list[Point], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in sorted({(p.engine, p.context) for p in points}):
+        sel = [p for p in points if (p.engine, p.context) == key and p.tok_s]
+        ax.plot([p.concurrency for p in sel], [p.tok_s for p in sel], marker="o", label=f"{key[0]} ctx={key[1]}")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("decode tok/s")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

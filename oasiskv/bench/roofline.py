@@ -1,0 +1,38 @@
+"""Roofline helpers: measured copy bandwidth of the device and the bytes one decode step must read."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 256 << 20)
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    return 2 * nbytes * iters / seconds
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters one decode step reads: all of them, except an untied input embedding
+    (only a few rows of it are gathered)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if getattr(model, "lm_head", None) is not None:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total

@@ -1,0 +1,108 @@
+"""Command line: ``oasiskv generate | serve | bench``. Engine flags come from ``EngineConfig``'s fields."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from oasiskv.config import EngineConfig
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field (``max_num_seqs`` -> ``--max-num-seqs``), help from metadata."""
+    parser.add_argument("model", nargs="?", default="",
+                        help="local HF model folder or hub id (default: the built-in demo model)")
+    for f in EngineConfig.cli_fields():
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(flag, type=kind, default=f.default,
+                                help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in EngineConfig.cli_fields()})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from oasiskv.llm import LLM, render_chat
+    from oasiskv.sampling_params import SamplingParams
+
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    prompt = render_chat(llm.tokenizer, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    if not args.quiet_prompt:
+        sys.stdout.write(prompt)
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from oasiskv.server.api import serve
+    except ImportError as exc:
+        raise SystemExit(f"the server needs extra packages ({exc.name}): pip install 'oasiskv[server]'")
+    return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
+                 max_waiting=args.max_waiting, served_model_name=args.served_model_name)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from oasiskv.bench.decode_sweep import run_from_args
+    return run_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oasiskv", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    add_engine_flags(gen)
+    gen.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user chat message")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--quiet-prompt", action="store_true", help="do not echo the prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set OASISKV_API_KEY)")
+    srv.add_argument("--max-waiting", type=int, default=1024,
+                     help="most requests queued before new ones get HTTP 503 (default: 1024)")
+    srv.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
+    srv.set_defaults(func=cmd_serve)
+
+    from oasiskv.bench.decode_sweep import add_bench_flags
+    bench = sub.add_parser("bench", help="decode throughput sweep (context x concurrency x output length)")
+    add_bench_flags(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Configuration: frozen dataclasses for the model (read from an HF ``config.json``) and the engine.
+
+``EngineConfig`` holds every user-facing engine setting; the CLI builds its flags from these fields
+and their ``help`` metadata, so the two cannot drift. ``ModelConfig`` is derived from the checkpoint
+and is never set by hand. Values spelled ``"auto"`` / ``0`` are resolved later by the engine
+(``ModelRunner`` sizes the KV pool), which logs what they became.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+    "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+#: HF architecture name -> switches of the shared decoder.
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": dict(qk_norm=True, qkv_bias=False),
+    "Qwen2ForCausalLM": dict(qk_norm=False, qkv_bias=True),
+    "LlamaForCausalLM": dict(qk_norm=False, qkv_bias=False),
+}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """Map a dtype spelling to a torch dtype; ``"auto"``/None -> None. Raises ValueError on unknown names."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    key = str(name).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of bfloat16, float16, float32, auto")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; ``scaling`` is None or the HF llama3 scaling dict."""
+    theta: float = 10000.0
+    scaling: dict | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts the decoder needs, read from an HF ``config.json`` (both rope spellings)."""
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        try:
+            num_heads = cfg["num_attention_heads"]
+            hidden = cfg["hidden_size"]
+            rope_params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            theta = rope_params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+            rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+            if rope_type not in ("default", "llama3"):
+                raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            return cls(
+                architecture=arch,
+                hidden_size=hidden,
+                intermediate_size=cfg["intermediate_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=num_heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+                head_dim=cfg.get("head_dim") or hidden // num_heads,
+                vocab_size=cfg["vocab_size"],
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope=RopeConfig(float(theta), rope_params if rope_type == "llama3" else None),
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+                eos_token_ids=eos_ids,
+                **ARCHITECTURES[arch],
+            )
+        except KeyError as exc:
+            raise ValueError(f"config.json is missing required field {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            return cls.from_hf_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. The CLI exposes every field as ``--field-name``."""
+    model: str = _opt("", "local HF model folder, hub id, or bench preset; empty = built-in demo model",
+                      cli=False)
+    dtype: str = _opt("auto", "weights/activations dtype: auto (checkpoint dtype on GPU, float32 on CPU), "
+                      "bfloat16, float16, float32")
+    device: str = _opt("auto", "auto, cuda, cuda:N or cpu")
+    max_model_len: int = _opt(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
+    max_num_seqs: int = _opt(256, "most sequences in one decode batch")
+    max_num_batched_tokens: int = _opt(8192, "most prompt tokens in one prefill step (longer prompts are "
+                                       "prefilled in chunks)")
+    block_size: int = _opt(16, "tokens per KV block")
+    gpu_memory_utilization: float = _opt(0.90, "fraction of GPU memory the engine may use (weights, "
+                                         "activations and the KV pool sized from it after a warm-up)")
+    num_kv_blocks: int = _opt(0, "KV pool size in blocks; 0 = size from memory (GPU) or 4 GiB (CPU)")
+    enforce_eager: bool = _opt(False, "disable CUDA-graph capture of decode")
+    max_graph_batch: int = _opt(256, "largest decode batch captured in a CUDA graph")
+    seed: int = _opt(0, "seed for random sampling of requests without their own seed")
+    load_format: str = _opt("auto", "auto (safetensors) or dummy (random weights, for benchmarks)")
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len < 0 or self.num_kv_blocks < 0:
+            raise ValueError("max_model_len and num_kv_blocks must be >= 0")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        parse_dtype(self.dtype)
+
+    @classmethod
+    def cli_fields(cls):
+        """Fields the CLI turns into flags, with their help text."""
+        return [f for f in fields(cls) if f.metadata.get("cli", True)]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)

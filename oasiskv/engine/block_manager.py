@@ -1,0 +1,116 @@
+"""BlockManager: the paged HBM KV pool's allocator (free list, ref counts, prefix sharing).
+
+Invariants (checked by ``check_invariants`` in tests): every block is either on the free list with
+ref count 0 or owned by ``ref_count`` block tables; a block id appears at most once per table; a
+block that is cached (its hash registered) holds exactly the tokens that hash names.
+
+Prefix sharing: a completed block is registered under the hash of all tokens up to its end. A new
+sequence whose prompt starts with registered blocks takes them (ref count + 1) instead of computing
+them. Freed blocks keep their hash until they are handed out again, so a later request can revive them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from oasiskv.engine.kv_allocator import KVAllocator
+from oasiskv.engine.sequence import Sequence
+
+
+class BlockManager(KVAllocator):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self._num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        # Free blocks in reuse order (oldest freed first); OrderedDict gives O(1) removal on revival.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.enable_prefix_sharing = enable_prefix_sharing
+        self.hash_to_block: dict[int, int] = {}
+        self.block_hash: dict[int, int] = {}
+        self._hashed: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks hashed, last hash)
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def _new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._new_blocks(seq, num_new_tokens) <= len(self.free_blocks)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        need = self._new_blocks(seq, num_new_tokens)
+        if need > len(self.free_blocks):
+            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free_blocks)} free")
+        for _ in range(need):
+            block, _ = self.free_blocks.popitem(last=False)
+            self._forget_hash(block)
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+
+    def free(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        seq.block_table = []
+        self._hashed.pop(seq.seq_id, None)
+
+    def reuse_prefix(self, seq: Sequence) -> int:
+        """Share registered blocks covering the start of a fresh prompt (never its last token)."""
+        if not self.enable_prefix_sharing or seq.block_table or seq.params.prompt_logprobs is not None:
+            return 0
+        tokens, bs, last = seq.token_ids, self.block_size, 0
+        num_full = (len(tokens) - 1) // bs
+        for i in range(num_full):
+            h = hash((last, tuple(tokens[i * bs:(i + 1) * bs])))
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            last = h
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        self._hashed[seq.seq_id] = (len(seq.block_table), last)
+        return seq.num_computed_tokens
+
+    def on_computed(self, seq: Sequence) -> None:
+        """Register blocks of ``seq`` that became complete."""
+        if not self.enable_prefix_sharing:
+            return
+        done, last = self._hashed.get(seq.seq_id, (0, 0))
+        tokens, bs = seq.token_ids, self.block_size
+        for i in range(done, seq.num_computed_tokens // bs):
+            last = hash((last, tuple(tokens[i * bs:(i + 1) * bs])))
+            block = seq.block_table[i]
+            if last not in self.hash_to_block and block not in self.block_hash:
+                self.hash_to_block[last] = block
+                self.block_hash[block] = last
+            done = i + 1
+        self._hashed[seq.seq_id] = (done, last)
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.block_hash.pop(block, None)
+        if h is not None:
+            del self.hash_to_block[h]
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Assert ref counts match the live block tables and the free list (tests call this)."""
+        counts = [0] * self._num_blocks
+        for seq in live:
+            assert len(set(seq.block_table)) == len(seq.block_table), "block twice in one table"
+            for b in seq.block_table:
+                counts[b] += 1
+        assert counts == self.ref_counts, "ref counts disagree with block tables"
+        free = set(self.free_blocks)
+        assert all((self.ref_counts[b] == 0) == (b in free) for b in range(self._num_blocks))
+        assert all(self.hash_to_block[h] == b for b, h in self.block_hash.items())

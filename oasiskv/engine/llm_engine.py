@@ -1,0 +1,229 @@
+"""LLMEngine: requests in, incremental outputs out, one ``step()`` at a time.
+
+``add_request`` validates everything about a request before it touches engine state (bad input
+raises ValueError and changes nothing). ``step`` schedules, runs the model once, appends sampled
+tokens, applies stopping rules and returns a ``RequestOutput`` for every request that advanced or
+finished. A failure inside a step finishes that step's requests with ``finish_reason="error"`` and
+leaves the others running. Not thread-safe: one thread drives an engine.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from oasiskv.config import EngineConfig, ModelConfig
+from oasiskv.engine.block_manager import BlockManager
+from oasiskv.engine.detokenizer import Detokenizer
+from oasiskv.engine.model_runner import ModelRunner
+from oasiskv.engine.scheduler import Scheduler
+from oasiskv.engine.sequence import Sequence, TokenLogprobs
+from oasiskv.models.loader import resolve_model_path
+from oasiskv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``new_*`` fields hold what this step added (for streaming);
+    ``text`` excludes stop strings and, while running, a held-back tail that may start one."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges a server exports; updated after every step."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    last_step_seconds: float = 0.0
+    last_batch_size: int = 0
+    last_step_prefill: bool = False
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: Detokenizer
+    emitted_tokens: int = 0
+    emitted_text: int = 0
+    emitted_logprobs: int = 0
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_file(self.model_path / "config.json")
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.runner = ModelRunner(config, self.model_path, self.model_config)
+        self.max_model_len = self.runner.max_model_len
+        self.allocator = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.stats = EngineStats(kv_blocks_total=self.runner.num_blocks, kv_blocks_free=self.runner.num_blocks)
+
+    # ---- requests --------------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_path} has no tokenizer: pass prompt token ids instead of text")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError (nothing queued) on bad input."""
+        params = (params or SamplingParams()).validate(self.model_config.vocab_size)
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(ids, params, request_id=request_id)
+        self.requests[request_id] = _Request(seq, Detokenizer(self.tokenizer, ids, params.stop))
+        self.scheduler.add(seq)
+        self._update_queue_stats()
+        return request_id
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but this engine's context limit is "
+                             f"{self.max_model_len} (prompt + output): shorten the prompt or raise max_model_len")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV at once. Returns False when it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req.seq)
+        self._update_queue_stats()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        start = time.perf_counter()
+        try:
+            result = self.runner.run(batch)
+        except Exception as exc:  # one bad step must not take the engine or other requests down
+            logger.exception("step failed; finishing its %d requests with an error", len(batch))
+            return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
+        self.scheduler.postprocess(batch)
+        outputs = []
+        now = time.monotonic()
+        for i, seq in enumerate(batch.seqs):
+            seq.prompt_logprobs += result.prompt_logprobs[i]
+            token = result.tokens[i]
+            if token is None:
+                continue
+            seq.append_token(token)
+            if result.logprobs[i] is not None:
+                seq.output_logprobs.append(result.logprobs[i])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+            outputs.append(self._output(seq))
+        self._record_step(batch, len(outputs), time.perf_counter() - start)
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        req = self.requests[seq.request_id]
+        p = seq.params
+        if req.detok.push(token) is not None:
+            return "stop"
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        self.requests[seq.request_id].error = message
+        self.scheduler.finish(seq, "error")
+        return self._output(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        finished = seq.is_finished
+        text = req.detok.visible_text(finished)
+        want_lp = seq.params.logprobs is not None
+        out = RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), text=text,
+            new_token_ids=seq.output_token_ids[req.emitted_tokens:], new_text=text[req.emitted_text:],
+            finished=finished, finish_reason=seq.finish_reason,
+            logprobs=list(seq.output_logprobs) if want_lp else None,
+            new_logprobs=seq.output_logprobs[req.emitted_logprobs:] if want_lp else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            error=req.error, arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            finish_time=time.monotonic() if finished else None)
+        req.emitted_tokens, req.emitted_text = len(seq.output_token_ids), len(text)
+        req.emitted_logprobs = len(seq.output_logprobs)
+        if finished:
+            del self.requests[seq.request_id]
+        return out
+
+    def _record_step(self, batch, num_sampled: int, seconds: float) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.last_step_seconds, s.last_batch_size, s.last_step_prefill = seconds, len(batch), batch.is_prefill
+        if batch.is_prefill:
+            s.prompt_tokens_total += sum(batch.num_tokens)
+        s.generation_tokens_total += num_sampled
+        self._update_queue_stats()
+
+    def _update_queue_stats(self) -> None:
+        s = self.stats
+        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.kv_blocks_free = self.allocator.num_free_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+
+
+def _load_tokenizer(path: Path):
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        logger.info("%s has no tokenizer: prompts must be token ids", path)
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ValueError(f"cannot load the tokenizer in {path}: {exc}") from None

@@ -1,0 +1,210 @@
+"""ModelRunner: turns a ScheduledBatch into one forward pass and sampled tokens.
+
+Owns the model, the attention backend (and so the KV pool), CUDA graphs and the sampler inputs.
+Builds the step's ``ForwardBatch`` on the host (pinned memory, non-blocking copies on CUDA), runs the
+model inside ``forward_context``, computes logits only for rows that need them, samples, and moves the
+results to the host once per step. Knows nothing about scheduling policy or text.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from oasiskv.attention.dense import DenseBackend
+from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
+from oasiskv.engine.cuda_graph import CudaGraphRunner
+from oasiskv.engine.forward_batch import ForwardBatch, forward_context
+from oasiskv.engine.scheduler import ScheduledBatch
+from oasiskv.engine.sequence import Sequence, TokenLogprobs
+from oasiskv.layers.sampler import SamplingTensors, sample, token_logprobs
+from oasiskv.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BYTES = 4 << 30
+PROMPT_LOGITS_CHUNK = 1024
+
+
+@dataclass
+class StepResult:
+    """Per scheduled sequence: the sampled token (None when a prefill chunk did not finish the
+    prompt), its logprobs when asked, and prompt logprobs computed in this step."""
+    tokens: list[int | None]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but no CUDA GPU is available; use --device cpu")
+    return device
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig):
+        self.config, self.model_config = config, model_config
+        self.device = resolve_device(config.device)
+        self.dtype = parse_dtype(config.dtype) or (model_config.dtype if self.device.type == "cuda"
+                                                   else torch.float32)
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        self.model = load_model(model_path, model_config, self.dtype, self.device,
+                                max(max_len, model_config.max_position_embeddings), config.load_format)
+        self.backend = DenseBackend(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                                    config.block_size, self.dtype, self.device)
+        self.num_blocks = self._size_pool(max_len)
+        self.backend.allocate(self.num_blocks)
+        self.max_model_len = min(max_len, self.num_blocks * config.block_size)
+        if self.max_model_len < max_len:
+            logger.warning("max_model_len lowered from %d to %d: the KV pool holds only %d blocks",
+                           max_len, self.max_model_len, self.num_blocks)
+        self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = CudaGraphRunner(self.model, self.backend, min(config.max_graph_batch, config.max_num_seqs),
+                                          self.max_blocks_per_seq, self.device)
+
+    # ---- KV pool sizing --------------------------------------------------------------------------
+    def _size_pool(self, max_len: int) -> int:
+        per_block = self.backend.bytes_per_block()
+        if self.config.num_kv_blocks:
+            blocks = self.config.num_kv_blocks
+        elif self.device.type != "cuda":
+            blocks = CPU_KV_BYTES // per_block
+        else:
+            blocks = self._measure_free_blocks(per_block)
+        if blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (one block needs {per_block} bytes): "
+                               f"raise gpu_memory_utilization or lower max_num_batched_tokens")
+        logger.info("KV pool: %d blocks of %d tokens (%.2f GiB, %d tokens)", blocks, self.config.block_size,
+                    blocks * per_block / 2**30, blocks * self.config.block_size)
+        return blocks
+
+    def _measure_free_blocks(self, per_block: int) -> int:
+        """Warm up with the largest prefill, then give the KV pool what ``gpu_memory_utilization`` leaves."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        warm = ForwardBatch(True, torch.zeros(n, dtype=torch.long, device=self.device),
+                            torch.arange(n, device=self.device), torch.full((n,), -1, device=self.device),
+                            torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+                            torch.tensor([n], dtype=torch.int32, device=self.device), [n], [0])
+        with torch.inference_mode(), forward_context(warm, self.backend):
+            hidden = self.model(warm.input_ids, warm.positions)
+            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        budget = total * self.config.gpu_memory_utilization - used_by_others - peak
+        return int(budget // per_block)
+
+    # ---- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        fb = self._prepare(batch)
+        if not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch)):
+            hidden = self.graphs.run(fb)
+        else:
+            with forward_context(fb, self.backend):
+                hidden = self.model(fb.input_ids, fb.positions)
+        return self._sample(batch, fb, hidden)
+
+    def _to_device(self, data, dtype) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
+
+    def _prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        ids, pos, slots, ctx = [], [], [], []
+        bs = self.config.block_size
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            pos += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            ctx.append(start + n)
+        width = self.max_blocks_per_seq if (not batch.is_prefill and self.graphs) else max(
+            len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        return ForwardBatch(batch.is_prefill, self._to_device(ids, torch.long), self._to_device(pos, torch.long),
+                            self._to_device(slots, torch.long), self._to_device(tables, torch.int32),
+                            self._to_device(ctx, torch.int32), list(batch.num_tokens),
+                            [s.num_computed_tokens for s in batch.seqs])
+
+    def _sample(self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor) -> StepResult:
+        rows, sampled_seqs, ends = [], [], []
+        end = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            end += n
+            ends.append(end)
+            if seq.num_computed_tokens + n == len(seq):
+                rows.append(end - 1)
+                sampled_seqs.append(seq)
+        result = StepResult([None] * len(batch), [None] * len(batch), [[] for _ in batch.seqs])
+        if batch.is_prefill:
+            self._prompt_logprobs(batch, hidden, ends, result)
+        if not rows:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        out = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
+        tokens = out.tokens.tolist()
+        lps = _logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs) if out.top_ids is not None else None
+        index = {id(s): i for i, s in enumerate(batch.seqs)}
+        for j, seq in enumerate(sampled_seqs):
+            i = index[id(seq)]
+            result.tokens[i] = tokens[j]
+            if lps is not None and seq.params.logprobs is not None:
+                lp, top_ids, top_lps = lps[j]
+                n = seq.params.logprobs
+                result.logprobs[i] = TokenLogprobs(tokens[j], lp, list(zip(top_ids[:n], top_lps[:n])))
+        return result
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, ends: list[int], result: StepResult):
+        """Logprobs of prompt tokens this chunk predicts: row p scores token p + 1."""
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            want = seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            if want is None:
+                continue
+            first = max(start, len(seq.prompt_logprobs))  # tokens 1..len already scored (recompute)
+            last = min(start + n, seq.num_prompt_tokens - 1)  # positions first..last-1 score prompt tokens
+            for a in range(first, last, PROMPT_LOGITS_CHUNK):
+                b = min(a + PROMPT_LOGITS_CHUNK, last)
+                rows = hidden[ends[i] - n + (a - start): ends[i] - n + (b - start)]
+                targets = torch.tensor(seq.prompt_token_ids[a + 1:b + 1], device=hidden.device)
+                lp, ids, lps = token_logprobs(self.model.compute_logits(rows), targets, want)
+                for tok, (l, t, tl) in zip(targets.tolist(), _logprob_lists(lp, ids, lps)):
+                    result.prompt_logprobs[i].append(TokenLogprobs(tok, l, list(zip(t, tl))))
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        p = [s.params for s in seqs]
+        gens = [self._seq_generator(s) for s in seqs]
+        lp = [x.logprobs for x in p if x.logprobs is not None]
+        return SamplingTensors(
+            temperature=self._to_device([x.temperature for x in p], torch.float32),
+            top_k=self._to_device([x.top_k for x in p], torch.long),
+            top_p=self._to_device([x.top_p for x in p], torch.float32),
+            min_p=self._to_device([x.min_p for x in p], torch.float32),
+            generators=gens,
+            all_greedy=all(x.greedy for x in p),
+            needs_filter=any(x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0 for x in p if not x.greedy),
+            max_logprobs=max(lp, default=-1),
+        )
+
+    def _seq_generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        if seq.sampler_generator is None:
+            seq.sampler_generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+        return seq.sampler_generator
+
+
+def _logprob_lists(chosen, top_ids, top_lps) -> list[tuple[float, list[int], list[float]]]:
+    """Device logprob tensors -> per-row host tuples, in one transfer each."""
+    return list(zip(chosen.tolist(), top_ids.tolist(), top_lps.tolist()))

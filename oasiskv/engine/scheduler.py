@@ -1,0 +1,122 @@
+"""Scheduler: continuous batching over waiting and running sequences.
+
+Each step is either a prefill step (prompt chunks, up to ``max_num_batched_tokens`` tokens; a prompt
+longer than what is left is cut into chunks across steps) or a decode step (one token for every
+running sequence). Prefill goes first when anything is waiting and fits. When the KV allocator runs
+out during decode, the most recently admitted sequence is preempted: its blocks are freed and it
+goes back to the front of the waiting queue to be recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from oasiskv.engine.kv_allocator import KVAllocator
+from oasiskv.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: ``num_tokens[i]`` new tokens of ``seqs[i]``."""
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    is_prefill: bool
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, allocator: KVAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        """Remove ``seq`` wherever it is and free its blocks (safe between steps)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's work; None only when nothing is waiting or running."""
+        while True:
+            batch = self._schedule_prefill() or self._schedule_decode()
+            if batch is not None or not self.running:
+                return batch
+            # Only half-prefilled sequences remain and the pool cannot take their next chunk.
+            self._preempt(self.running[-1])
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget, seqs, counts = self.max_num_batched_tokens, [], []
+        for seq in self.running:  # finish chunked prefills first: they already hold blocks
+            if seq.in_prefill and budget > 0:
+                n = min(seq.num_uncomputed_tokens, budget)
+                if not self.allocator.can_allocate(seq, n):
+                    break
+                self.allocator.allocate(seq, n)
+                seqs.append(seq), counts.append(n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.allocator.reuse_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.allocator.can_allocate(seq, n):
+                self.allocator.free(seq)  # undo prefix reuse: a waiting sequence holds no blocks
+                seq.num_computed_tokens = 0
+                break
+            self.allocator.allocate(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq), counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        queue = [s for s in self.running if not s.in_prefill]
+        while queue:
+            seq = queue.pop(0)
+            while not self.allocator.can_allocate(seq, 1):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.allocator.allocate(seq, 1)
+                scheduled.append(seq)
+        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) if scheduled else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """Record the computed tokens; the engine has already appended sampled tokens."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.allocator.on_computed(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.allocator.free(seq)

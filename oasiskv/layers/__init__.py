@@ -1,0 +1,1 @@
+"""Building blocks of the decoder: rotary embedding, attention (calls the backend), sampler."""

@@ -1,0 +1,1 @@
+"""Model definitions (one shared decoder) and checkpoint loading."""

@@ -1,0 +1,146 @@
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3 checkpoints, selected by switches.
+
+Switches (from ``ModelConfig``): ``qk_norm`` (Qwen3: RMSNorm per head on q and k before RoPE),
+``qkv_bias`` (Qwen2), Llama-3 rope scaling (in ``RotaryEmbedding``), tied embeddings.
+Q/K/V and gate/up projections are fused into one matrix each; ``load_weights`` maps HF names onto the
+fused slices. The model works on flattened tokens ``[T]`` of a whole batch; attention finds its
+per-step metadata in the forward context, never in these signatures.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oasiskv.config import ModelConfig
+from oasiskv.layers.attention import Attention
+from oasiskv.layers.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        self.cfg = cfg
+        hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = hq * d, hk * d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = Attention(idx, hq, hk, d)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        x = x + self.o_proj(self.attn(q, k, v).reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    """The shared decoder. ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``;
+    ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in float32."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model. Raises ValueError on unknown names, wrong shapes, or
+        parameters the checkpoint did not provide."""
+        params = dict(self.named_parameters())
+        missing = {(name, off) for name in params for off in self._shard_offsets(name)}
+        for hf_name, tensor in weights:
+            name, rows = self._map_name(hf_name)
+            if name is None:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
+            target = params[name].data if rows is None else params[name].data.narrow(0, *rows)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}: config.json does not match the weights")
+            target.copy_(tensor)
+            missing.discard((name, rows[0] if rows else 0))
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _fused_sizes(self, fused: str) -> list[int]:
+        layer = self.layers[0]
+        if fused == "qkv_proj":
+            return [layer.q_size, layer.kv_size, layer.kv_size]
+        return [self.cfg.intermediate_size] * 2
+
+    def _shard_offsets(self, name: str) -> list[int]:
+        fused = name.split(".")[-2]
+        if fused not in ("qkv_proj", "gate_up_proj"):
+            return [0]
+        sizes = self._fused_sizes(fused)
+        return [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def _map_name(self, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
+        """HF tensor name -> (our parameter name, (row offset, rows) of a fused slice or None)."""
+        if "rotary_emb" in hf_name:
+            return None, None
+        name = hf_name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None, None
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[-2] in self._FUSED:
+            fused, shard = self._FUSED[parts[-2]]
+            sizes = self._fused_sizes(fused)
+            parts[-2] = fused
+            return ".".join(parts), (sum(sizes[:shard]), sizes[shard])
+        return name, None
+
+    def init_random(self, std: float = 0.02, seed: int = 0) -> None:
+        """Random weights (benchmarks with real shapes): normal(0, std) matrices, unit norms."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.fill_(1.0)
+            else:
+                p.data.normal_(0.0, std, generator=gen)
+

@@ -1,0 +1,70 @@
+"""SamplingParams: what a request asks of the sampler and of the stopping rules.
+
+``validate()`` raises ``ValueError`` naming the bad field and the allowed range; the engine calls it on
+every request before the request touches any engine state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (vLLM / OpenAI semantics).
+
+    temperature 0 means greedy. ``top_k`` <= 0 and ``top_p`` = 1 and ``min_p`` = 0 disable those filters.
+    ``stop`` strings end generation when they appear in the output text (they are not included in it);
+    ``stop_token_ids`` end it on those tokens (the token is kept). ``logprobs`` = N returns the sampled
+    token's logprob plus the top-N alternatives per generated token; ``prompt_logprobs`` = N does the
+    same for prompt tokens (the first prompt token has none).
+    """
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        def bad(name, value, want):
+            raise ValueError(f"{name} must be {want}, got {value!r}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad("temperature", self.temperature, ">= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", self.top_k, "an integer; 0 or -1 disables it")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", self.seed, "a non-negative integer or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= self.MAX_LOGPROBS):
+                bad(name, value, f"an integer in [0, {self.MAX_LOGPROBS}] or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", self.stop, "a list of non-empty strings")
+        for tok in self.stop_token_ids:
+            if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                bad("stop_token_ids", self.stop_token_ids, f"token ids in [0, {vocab_size})")
+        return self

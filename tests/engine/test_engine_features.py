@@ -1,0 +1,98 @@
+"""Engine features on the built-in demo model: stops, streaming, seeds, logprobs, abort, CLI, bench."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.models.loader import DEMO_MODEL
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("", num_kv_blocks=256, max_model_len=1024)
+
+
+def test_stop_string_is_cut_and_stop_token_kept(llm):
+    free = llm.generate("def add(a, b):", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason == "length"
+    stop = free.text[5:9]
+    out = llm.generate("def add(a, b):", SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop)]
+    tok = free.token_ids[3]
+    out = llm.generate("def add(a, b):", SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[tok]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+
+
+def test_streaming_deltas_add_up(llm):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=["zzzz"])
+    whole = llm.generate("class Stack:", params)[0]
+    chunks = list(llm.stream("class Stack:", params))
+    assert "".join(c.new_text for c in chunks) == whole.text
+    assert sum(len(c.new_token_ids) for c in chunks) == 30 and chunks[-1].finished
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(llm):
+    a = llm.generate(["import os\n"] * 3, [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in (1, 2, 1)])
+    assert a[0].token_ids == a[2].token_ids != a[1].token_ids
+    b = llm.generate("import os\n", SamplingParams(max_tokens=20, temperature=1.0, seed=1))[0]
+    assert b.token_ids == a[0].token_ids
+
+
+def test_logprobs_match_transformers(llm):
+    from transformers import AutoModelForCausalLM
+    prompt = llm.engine.encode("for i in range(10):\n    print(")
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=2))[0]
+    ref = AutoModelForCausalLM.from_pretrained(str(DEMO_MODEL), dtype=torch.float32)
+    ids = torch.tensor([prompt + out.token_ids])
+    logp = ref(ids).logits[0].log_softmax(-1)
+    full = prompt + out.token_ids
+    assert len(out.prompt_logprobs) == len(prompt) - 1
+    for j, entry in enumerate(out.prompt_logprobs, start=1):
+        assert entry.token_id == full[j]
+        assert entry.logprob == pytest.approx(logp[j - 1, full[j]].item(), abs=1e-4)
+        assert [t for t, _ in entry.top] == logp[j - 1].topk(2).indices.tolist()
+    for i, entry in enumerate(out.logprobs):
+        pos = len(prompt) + i - 1
+        assert entry.logprob == pytest.approx(logp[pos, full[pos + 1]].item(), abs=1e-4)
+        assert len(entry.top) == 3
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    free = engine.allocator.num_free_blocks
+    rid = engine.add_request("x = 1\n" * 20, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.allocator.num_free_blocks < free
+    assert engine.abort(rid) and not engine.abort(rid)
+    assert engine.allocator.num_free_blocks == free and not engine.has_unfinished()
+
+
+def test_chat_uses_plain_fallback_without_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0))
+    assert out.prompt_token_ids == llm.engine.encode("user: hi\nassistant:")
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"role": "wizard", "content": "hi"}])
+
+
+def test_cli_generate_streams_demo_model():
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "generate", "--prompt", "def main():",
+                          "--max-tokens", "12", "--num-kv-blocks", "64"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("def main():") and "12 tokens" in out.stderr
+
+
+def test_cli_bench_prints_table_and_json():
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench", "qwen3-tiny",
+                          "--context-lens", "48", "--concurrency", "1,max", "--output-lens", "6",
+                          "--num-kv-blocks", "32", "--engine", "oasiskv,hf", "--hf-max-batch", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    points = result["points"]
+    assert [p["engine"] for p in points] == ["oasiskv", "oasiskv", "hf", "hf"]
+    assert points[1]["concurrency"] == 32 * 16 // 64 and all(p["tok_s"] > 0 for p in points)
+    assert "roofline" in out.stdout

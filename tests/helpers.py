@@ -1,0 +1,48 @@
+"""Test helpers: tiny random HF checkpoints written with transformers, and greedy reference decoding."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=320, max_position_embeddings=1024, rms_norm_eps=1e-6)
+
+
+def write_tiny_checkpoint(path: Path, arch: str, old_rope_spelling: bool = False, **overrides) -> Path:
+    """Save a randomly initialised Qwen3 / Qwen2 / Llama model (fp32) to ``path`` with transformers."""
+    import transformers
+    cls_cfg, cls_model = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
+    kw = dict(TINY, **overrides)
+    if arch == "qwen3":
+        kw.setdefault("head_dim", 32)
+    torch.manual_seed(0)
+    cfg = cls_cfg(**kw)
+    model = cls_model(cfg).to(torch.float32)
+    with torch.no_grad():  # make biases and norms non-trivial so switches matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    if old_rope_spelling:
+        raw = json.loads((path / "config.json").read_text())
+        params = raw.pop("rope_parameters", None) or {}
+        raw["rope_theta"] = params.pop("rope_theta", 10000.0)
+        if params.get("rope_type", "default") != "default":
+            raw["rope_scaling"] = params
+        (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
