@@ -23,7 +23,8 @@ class DenseBackend(AttentionBackend):
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         if device.type == "cuda":
-            from oasiskv.kernels import paged_decode_attention, store_kv
+            from oasiskv.kernels.paged_decode import paged_decode_attention
+            from oasiskv.kernels.store_kv import store_kv
             self._store, self._decode = store_kv, paged_decode_attention
         else:
             self._store, self._decode = reference.store_kv_ref, reference.paged_decode_ref
@@ -46,18 +47,20 @@ class DenseBackend(AttentionBackend):
 
     def _prefill(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
         start = 0
         for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
             qi = q[start:start + n].transpose(0, 1)
             if prefix == 0:
                 ki, vi, mask = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1), None
-            else:
+            else:  # bottom-right causal: query at position prefix + j sees keys 0 .. prefix + j
                 ki, vi = self._gather(layer, batch.block_tables[i], prefix + n)
                 pos_q = torch.arange(prefix, prefix + n, device=q.device)
                 mask = torch.arange(prefix + n, device=q.device)[None, :] <= pos_q[:, None]
+            # Expanded K/V heads (not enable_gqa) keep SDPA on its fused kernels for masked calls too.
+            ki, vi = ki.repeat_interleave(group, dim=0), vi.repeat_interleave(group, dim=0)
             oi = F.scaled_dot_product_attention(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0),
-                                                attn_mask=mask, is_causal=mask is None, scale=scale,
-                                                enable_gqa=True)
+                                                attn_mask=mask, is_causal=mask is None, scale=scale)
             out[start:start + n] = oi[0].transpose(0, 1)
             start += n
         return out

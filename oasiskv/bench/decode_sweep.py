@@ -54,12 +54,14 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                         help="requests per point; 'max' = the most that fit in the KV pool")
     parser.add_argument("--output-lens", default="128", help="generated tokens per request")
     parser.add_argument("--engine", default="oasiskv", help="oasiskv, hf, or oasiskv,hf")
-    parser.add_argument("--hf-max-batch", type=int, default=8, help="largest batch given to the hf baseline")
+    parser.add_argument("--hf-max-batch", type=int, default=8,
+                        help="largest batch given to the hf baseline (concurrency above it is capped)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=32768,
+                        help="prefill tokens per step; >= the context avoids chunking")
     parser.add_argument("--num-kv-blocks", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--plot", default=None, help="write a PNG of tok/s per point here")
@@ -102,11 +104,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     if "hf" in engines:
         from oasiskv.bench.hf_baseline import bench_hf
         env.setdefault("copy_gb_s", measure_copy_bandwidth(device) / 1e9)
+        batches = sorted({min(args.hf_max_batch, int(c)) if c != "max" else args.hf_max_batch
+                          for c in concurrencies})
         for ctx in contexts:
-            for conc in concurrencies:
+            for batch in batches:
                 for out in outputs:
                     points.append(bench_hf(hf_model_path, load_format == "dummy", dtype, device, ctx,
-                                           conc, out, args.hf_max_batch, env["copy_gb_s"], args.seed))
+                                           batch, out, env["copy_gb_s"], args.seed))
     print_table(points, env)
     if args.plot:
         plot(points, args.plot)

@@ -46,11 +46,8 @@ def _timed_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
 
 @torch.inference_mode()
 def bench_hf(path: Path, dummy: bool, dtype: torch.dtype, device: torch.device, context: int,
-             concurrency: str, output_len: int, max_batch: int, copy_gb_s: float, seed: int) -> Point:
-    batch = max_batch if concurrency == "max" else min(int(concurrency), max_batch)
+             batch: int, output_len: int, copy_gb_s: float, seed: int) -> Point:
     point = Point("hf", context, batch, output_len)
-    if int(concurrency if concurrency != "max" else max_batch) > max_batch:
-        point.note = f"batch capped at {max_batch}"
     model = _model(path, dummy, dtype, device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(1, model.config.vocab_size, (batch, context), generator=gen).to(device)

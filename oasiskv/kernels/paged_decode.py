@@ -1,0 +1,218 @@
+"""Triton split-K paged attention for decode: one query token per sequence (``paged_decode_attention``).
+
+Kernel 1 (``_decode_split_kernel``), grid ``(B, num_kv_heads, num_splits)``: a program owns the G query
+heads of one kv head and a run of ``blocks_per_split`` consecutive KV blocks of one sequence, so each K/V
+tile is loaded once for all G heads (heads padded to 16 rows for ``tl.dot``). It runs an online softmax
+in fp32 over its blocks and, with one split, writes the normalized output directly; with several it
+writes a partial (running max, sum of exps, unnormalized accumulator) to a workspace, and kernel 2
+(``_decode_reduce_kernel``), grid ``(B, num_q_heads)``, merges the partials. The grid and workspace
+depend only on tensor shapes, never on values, so the call is CUDA-graph capturable. By default each
+row divides *its own* context into ``num_splits`` runs (a row much shorter than the block table's width
+still uses every split); a fixed ``blocks_per_split`` can be forced instead. Splits past a sequence's
+end write a neutral partial (max=-inf, sum=0, acc=0).
+"""
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Launch config, tuned on an H200 (bf16, head_dim 128, block 16): 64 KV tokens per inner-loop
+# iteration (several blocks per tile when block_size is small), 4 warps, 2 pipeline stages.
+_TOKENS_PER_ITER = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+# Split heuristic: aim for ~512 programs (~4 per SM on a 132-SM H100/H200; measured best from batch 1
+# to 64), but never split a sequence into pieces shorter than _MIN_TOKENS_PER_SPLIT, nor into more
+# than _MAX_SPLITS splits.
+_TARGET_PROGRAMS = 512
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
+    qk_scale, blocks_per_split, num_splits,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_cb, stride_ch, stride_cs, stride_bt,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
+
+    ``qk_scale`` is ``scale * log2(e)``: scores live in the log2 domain (``exp2``), partial maxima too.
+    Workspace (only read when not DIRECT): m/l ``[B, num_q_heads, num_splits]``, acc ``[..., HEAD_DIM]``.
+    """
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    TILE: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, TILE)
+    tile_blk = offs_t // BLOCK_SIZE
+    tile_off = offs_t % BLOCK_SIZE
+    q_heads = kv_head * G + offs_g
+    g_mask = offs_g < G
+
+    q = tl.load(q_ptr + row * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0).to(tl.float32)
+
+    ctx_len = tl.load(context_lens_ptr + row)
+    ctx_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
+    if blocks_per_split <= 0:  # per row: this row's blocks over all splits, whole tiles, >= MIN_BLOCKS
+        per_split = tl.cdiv(tl.cdiv(ctx_blocks, num_splits), BLOCKS_PER_ITER) * BLOCKS_PER_ITER
+        blocks_per_split = tl.maximum(per_split, MIN_BLOCKS)
+    blk_start = split * blocks_per_split
+    blk_end = tl.minimum(blk_start + blocks_per_split, ctx_blocks)
+    bt_row = block_tables_ptr + row.to(tl.int64) * stride_bt
+    # Per-token offset inside a block, transposed ([HEAD_DIM, TILE]) so K loads straight as K^T.
+    kt_in_block = kv_head * stride_ch + tile_off[None, :] * stride_cs + offs_d[:, None]
+    v_in_block = kv_head * stride_ch + tile_off[:, None] * stride_cs + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for blk0 in range(blk_start, blk_end, BLOCKS_PER_ITER):
+        blk = blk0 + tile_blk
+        blk_ok = blk < blk_end
+        valid = blk_ok & (blk * BLOCK_SIZE + tile_off < ctx_len)
+        block_base = tl.load(bt_row + blk, mask=blk_ok, other=0).to(tl.int64) * stride_cb
+
+        kt = tl.load(k_cache_ptr + block_base[None, :] + kt_in_block, mask=valid[None, :], other=0.0)
+        s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if DIRECT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        ws = (row * tl.num_programs(1) * G + q_heads) * num_splits + split
+        tl.store(m_ws_ptr + ws, m_i, mask=g_mask)
+        tl.store(l_ws_ptr + ws, l_i, mask=g_mask)
+        tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    m_ws_ptr, l_ws_ptr, acc_ws_ptr, out_ptr,
+    num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the ``num_splits`` partials of query head ``pid(1)`` of row ``pid(0)`` into ``out``."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ws = (row * tl.num_programs(1) + head) * num_splits + offs_s
+    s_mask = offs_s < num_splits
+
+    m = tl.load(m_ws_ptr + ws, mask=s_mask, other=float("-inf"))
+    l = tl.load(l_ws_ptr + ws, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: padding row
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l, 0)
+    used = s_mask & (l > 0)
+    acc = tl.load(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def _blocks_per_iter(block_size: int) -> int:
+    return max(1, _TOKENS_PER_ITER // block_size)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int) -> int:
+    """Split-K factor chosen from shapes only (so a captured graph keeps one grid).
+
+    ``min(ceil(_TARGET_PROGRAMS / (batch * num_kv_heads)), max_blocks * block_size // _MIN_TOKENS_PER_SPLIT,
+    _MAX_SPLITS)``, at least 1. With 8 kv heads: batch >= 64, or a table shorter than 512 tokens, gets
+    one split (no reduce kernel); batch 32 two; batch 8 eight; batch 1 with a 32K-token table 64.
+    Each row then divides its own context over the splits (whole loop tiles, at least
+    ``_MIN_TOKENS_PER_SPLIT`` tokens each), so tables wider than the contexts waste no programs.
+    """
+    want = -(-_TARGET_PROGRAMS // max(1, batch * num_kv_heads))
+    return max(1, min(want, max_blocks * block_size // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None,
+                           blocks_per_split: int | None = None) -> torch.Tensor:
+    """Decode attention of one query token per row over its paged KV cache; returns ``out``.
+
+    q: ``[B, num_q_heads, head_dim]`` (last-dim stride 1), num_q_heads = G * num_kv_heads; query head
+    ``h`` attends kv head ``h // G``. k_cache, v_cache: contiguous
+    ``[num_blocks, num_kv_heads, block_size, head_dim]``; head_dim and block_size powers of two >= 16.
+    block_tables: int32 ``[B, max_blocks]``; only its first ``ceil(context_lens[b] / block_size)``
+    entries of row b are read. context_lens: int32 ``[B]``, each <= max_blocks * block_size; rows with 0
+    get zeros. scale: softmax scale. out: optional ``[B, num_q_heads, head_dim]`` to write into,
+    else allocated with q's dtype. blocks_per_split: None (default) = ``default_num_splits`` splits,
+    each row dividing its own context among them; an int forces that many KV blocks per split. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run
+    as tf32 (exact for the 16-bit Q.K products; softmax weights are rounded to tf32 for P.V), with an
+    fp32 q or cache as IEEE fp32. No host sync; CUDA-graph capturable.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, cache_dim = k_cache.shape
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert cache_dim == head_dim and num_q_heads % num_kv_heads == 0, (
+        f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
+    assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
+    assert q.stride(2) == 1 and block_tables.stride(1) == 1
+    assert block_tables.dim() == 2 and block_tables.shape[0] == batch and context_lens.shape == (batch,)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(2) == 1
+    if batch == 0:
+        return out
+
+    max_blocks = block_tables.shape[1]
+    if blocks_per_split is None:
+        num_splits = default_num_splits(batch, num_kv_heads, max_blocks, block_size)
+        blocks_per_split = max_blocks if num_splits == 1 else 0  # 0: each row splits its own context
+    else:
+        assert blocks_per_split >= 1
+        num_splits = max(1, triton.cdiv(max_blocks, blocks_per_split))
+    group = num_q_heads // num_kv_heads
+    direct = num_splits == 1
+    if direct:  # the workspace arguments are unused: pass ``out`` as a placeholder
+        m_ws = l_ws = acc_ws = out
+    else:
+        m_ws = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        l_ws = torch.empty_like(m_ws)
+        acc_ws = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    fp32 = torch.float32 in (q.dtype, k_cache.dtype)
+
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, m_ws, l_ws, acc_ws,
+        scale * _LOG2E, blocks_per_split, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCKS_PER_ITER=_blocks_per_iter(block_size),
+        MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    if not direct:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            m_ws, l_ws, acc_ws, out,
+            num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
