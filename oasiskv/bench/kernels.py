@@ -5,7 +5,8 @@ Run ``python -m oasiskv.bench.kernels``. Shape: Qwen3-8B attention (32 q heads, 
 paged cache plus its contiguous copy would exceed ``_MAX_BYTES`` are skipped). Times are medians from
 ``triton.testing.do_bench`` over a CUDA-graph replay of one call (the engine captures decode in graphs;
 eager timing of small cases would measure Python launch cost); GB/s counts the K+V bytes attended.
-Prints a table, then one JSON line.
+Each point also sweeps forced split counts (best s) to check the split heuristic.
+Prints a table (with the measured wave size), then one JSON line.
 """
 import json
 import math
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-BATCHES = (1, 8, 32, 64)
+BATCHES = (1, 8, 24, 32, 48, 64)
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+SWEEP_CONTEXT = 16384  # the split sweep runs at this context only
 CONTEXTS = (4096, 16384, 32768)
 _MAX_BYTES = 40e9
 
@@ -50,6 +53,12 @@ def _bench_one(batch: int, context: int) -> dict:
     scale = 1.0 / math.sqrt(HEAD_DIM)
 
     ms = _graph_median_ms(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out))
+    from oasiskv.kernels.paged_decode import _waves
+    wave = next(iter(_waves.values()), None)
+    sweep = {s: _graph_median_ms(lambda s=s: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                                                    out=out, num_splits=s))
+             for s in SWEEP_SPLITS if s <= blocks_per_row * BLOCK_SIZE // 256 and context == SWEEP_CONTEXT}
+    best = min(sweep, key=sweep.get) if sweep else 1
 
     # The same KV gathered contiguous: [B, kv_heads, T, D]; SDPA broadcasts kv heads over q heads (GQA).
     def contiguous(cache):
@@ -62,7 +71,8 @@ def _bench_one(batch: int, context: int) -> dict:
 
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * q.element_size()
     return {"batch": batch, "context": context,
-            "splits": default_num_splits(batch, NUM_KV_HEADS, blocks_per_row, BLOCK_SIZE),
+            "splits": default_num_splits(batch, NUM_KV_HEADS, blocks_per_row, BLOCK_SIZE, wave or 512),
+            "wave": wave, "best_splits": best if sweep else None, "best_gbps": kv_bytes / sweep.get(best, ms) / 1e6,
             "ms": ms, "gbps": kv_bytes / ms / 1e6, "sdpa_ms": sdpa_ms, "sdpa_gbps": kv_bytes / sdpa_ms / 1e6}
 
 
@@ -72,7 +82,8 @@ def main() -> None:
     rows = []
     print(f"paged_decode_attention: {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, head_dim {HEAD_DIM}, bf16, "
           f"block {BLOCK_SIZE}, on {torch.cuda.get_device_name()}")
-    print(f"{'batch':>5} {'context':>7} {'splits':>6} {'ms':>8} {'GB/s':>7} {'sdpa ms':>8} {'sdpa GB/s':>9}")
+    print(f"{'batch':>5} {'context':>7} {'splits':>6} {'ms':>8} {'GB/s':>7} {'best s':>6} {'best GB/s':>9} "
+          f"{'sdpa ms':>8} {'sdpa GB/s':>9}")
     for batch in BATCHES:
         for context in CONTEXTS:
             cache_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.finfo(DTYPE).bits // 8
@@ -80,9 +91,10 @@ def main() -> None:
                 continue
             r = _bench_one(batch, context)
             rows.append(r)
-            print(f"{batch:>5} {context:>7} {r['splits']:>6} {r['ms']:>8.4f} {r['gbps']:>7.0f} "
-                  f"{r['sdpa_ms']:>8.4f} {r['sdpa_gbps']:>9.0f}", flush=True)
+            print(f"{batch:>5} {context:>7} {r['splits']:>6} {r['ms']:>8.4f} {r['gbps']:>7.0f} {str(r['best_splits'] or '-'):>6} "
+                  f"{r['best_gbps']:>9.0f} {r['sdpa_ms']:>8.4f} {r['sdpa_gbps']:>9.0f}", flush=True)
             torch.cuda.empty_cache()
+    print(f"measured wave: {rows[0]['wave'] if rows else None} programs resident at once")
     print(json.dumps({"bench": "paged_decode_attention", "num_q_heads": NUM_Q_HEADS,
                       "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
                       "block_size": BLOCK_SIZE, "device": torch.cuda.get_device_name(), "results": rows}))

@@ -89,6 +89,8 @@ class BlockManager(KVAllocator):
             return
         done, last = self._hashed.get(seq.seq_id, (0, 0))
         tokens, bs = seq.token_ids, self.block_size
+        if seq.num_computed_tokens // bs == done:
+            return
         for i in range(done, seq.num_computed_tokens // bs):
             last = hash((last, tuple(tokens[i * bs:(i + 1) * bs])))
             block = seq.block_table[i]

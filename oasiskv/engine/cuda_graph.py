@@ -18,7 +18,10 @@ logger = logging.getLogger(__name__)
 
 
 def graph_buckets(max_bs: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
+    """1, 2, 4, then every multiple of 8 (of 16 past 128) up to ``max_bs``. Buckets are dense because a
+    bucket fixes the decode kernel's split count for its size: padding rows idle their programs."""
+    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, min(max_bs, 128), 8)) + \
+        list(range(128, max_bs, 16))
     return sorted(set(sizes + [max_bs]))
 
 
@@ -64,14 +67,15 @@ class CudaGraphRunner:
         return bs <= self.max_bs
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Replay for ``batch`` (a decode batch with ``max_blocks_per_seq``-wide tables) -> hidden ``[B, H]``."""
+        """Replay for a decode ``batch`` (tables at most ``max_blocks_per_seq`` wide) -> hidden ``[B, H]``.
+        Table columns past a row's blocks keep stale values: the decode kernel never reads them."""
         bs = batch.num_tokens
         padded = next(b for b in self.buckets if b >= bs)
         s = self.static
         s.input_ids[:bs].copy_(batch.input_ids)
         s.positions[:bs].copy_(batch.positions)
         s.slot_mapping[:bs].copy_(batch.slot_mapping)
-        s.block_tables[:bs].copy_(batch.block_tables)
+        s.block_tables[:bs, :batch.block_tables.shape[1]].copy_(batch.block_tables)
         s.context_lens[:bs].copy_(batch.context_lens)
         s.slot_mapping[bs:padded].fill_(-1)
         s.context_lens[bs:padded].fill_(0)

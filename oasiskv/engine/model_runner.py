@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from oasiskv.attention.dense import DenseBackend
@@ -117,21 +118,25 @@ class ModelRunner:
         return self._sample(batch, fb, hidden)
 
     def _to_device(self, data, dtype) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
+        """Host list / array -> device tensor through pinned memory and a non-blocking copy (CUDA)."""
+        host = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         ids, pos, slots, ctx = [], [], [], []
         bs = self.config.block_size
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens
+            start, table = seq.num_computed_tokens, seq.block_table
             ids += seq.token_ids[start:start + n]
             pos += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             ctx.append(start + n)
-        width = self.max_blocks_per_seq if (not batch.is_prefill and self.graphs) else max(
-            len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = np.zeros((len(batch), width), dtype=np.int32)
+        for row, seq in zip(tables, batch.seqs):
+            row[:len(seq.block_table)] = seq.block_table
         return ForwardBatch(batch.is_prefill, self._to_device(ids, torch.long), self._to_device(pos, torch.long),
                             self._to_device(slots, torch.long), self._to_device(tables, torch.int32),
                             self._to_device(ctx, torch.int32), list(batch.num_tokens),
@@ -151,7 +156,9 @@ class ModelRunner:
             self._prompt_logprobs(batch, hidden, ends, result)
         if not rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        logits = self.model.compute_logits(hidden)
         out = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
         tokens = out.tokens.tolist()
         lps = _logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs) if out.top_ids is not None else None
@@ -184,17 +191,18 @@ class ModelRunner:
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         p = [s.params for s in seqs]
-        gens = [self._seq_generator(s) for s in seqs]
-        lp = [x.logprobs for x in p if x.logprobs is not None]
+        max_logprobs = max((x.logprobs for x in p if x.logprobs is not None), default=-1)
+        if all(x.greedy for x in p):  # the common case copies nothing to the device
+            return SamplingTensors(None, None, None, None, [], True, False, max_logprobs)
         return SamplingTensors(
             temperature=self._to_device([x.temperature for x in p], torch.float32),
             top_k=self._to_device([x.top_k for x in p], torch.long),
             top_p=self._to_device([x.top_p for x in p], torch.float32),
             min_p=self._to_device([x.min_p for x in p], torch.float32),
-            generators=gens,
-            all_greedy=all(x.greedy for x in p),
+            generators=[self._seq_generator(s) for s in seqs],
+            all_greedy=False,
             needs_filter=any(x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0 for x in p if not x.greedy),
-            max_logprobs=max(lp, default=-1),
+            max_logprobs=max_logprobs,
         )
 
     def _seq_generator(self, seq: Sequence) -> torch.Generator | None:

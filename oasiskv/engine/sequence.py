@@ -50,12 +50,11 @@ class Sequence:
     num_preemptions: int = 0
     sampler_generator: object = None  # torch.Generator of a seeded request, made by the model runner
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def __post_init__(self):
+        self.token_ids: list[int] = self.prompt_token_ids + self.output_token_ids  # all tokens, grows
 
     def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,12 +70,9 @@ class Sequence:
         return self.num_uncomputed_tokens > 1 or not self.output_token_ids and self.num_uncomputed_tokens > 0
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

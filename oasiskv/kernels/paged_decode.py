@@ -21,10 +21,12 @@ _LOG2E = 1.4426950408889634
 _TOKENS_PER_ITER = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
-# Split heuristic: aim for ~512 programs (~4 per SM on a 132-SM H100/H200; measured best from batch 1
-# to 64), but never split a sequence into pieces shorter than _MIN_TOKENS_PER_SPLIT, nor into more
-# than _MAX_SPLITS splits.
-_TARGET_PROGRAMS = 512
+# Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
+# compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
+# H200, before the first compile). The split count fills whole waves (a last, partly empty wave idles
+# SMs), never splits a sequence into pieces shorter than _MIN_TOKENS_PER_SPLIT nor into more than
+# _MAX_SPLITS.
+_DEFAULT_WAVE = 512
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
@@ -135,23 +137,52 @@ def _blocks_per_iter(block_size: int) -> int:
     return max(1, _TOKENS_PER_ITER // block_size)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int) -> int:
-    """Split-K factor chosen from shapes only (so a captured graph keeps one grid).
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                       wave: int = _DEFAULT_WAVE) -> int:
+    """Split-K factor from shapes only (so a captured graph keeps one grid).
 
-    ``min(ceil(_TARGET_PROGRAMS / (batch * num_kv_heads)), max_blocks * block_size // _MIN_TOKENS_PER_SPLIT,
-    _MAX_SPLITS)``, at least 1. With 8 kv heads: batch >= 64, or a table shorter than 512 tokens, gets
-    one split (no reduce kernel); batch 32 two; batch 8 eight; batch 1 with a 32K-token table 64.
-    Each row then divides its own context over the splits (whole loop tiles, at least
-    ``_MIN_TOKENS_PER_SPLIT`` tokens each), so tables wider than the contexts waste no programs.
+    The smallest split count s whose ``batch * num_kv_heads * s`` programs fill their waves of ``wave``
+    programs at least 95% (else the best fill found), with s <= ``max_blocks * block_size //
+    _MIN_TOKENS_PER_SPLIT`` and <= ``_MAX_SPLITS``. With 8 kv heads and a 512-program wave: batch 64
+    -> 1, 32 -> 2, 48 -> 4, 24 -> 8, 1 with a 32K table -> 61. Each row divides its own context over
+    the splits, so tables wider than the contexts waste no programs.
     """
-    want = -(-_TARGET_PROGRAMS // max(1, batch * num_kv_heads))
-    return max(1, min(want, max_blocks * block_size // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
+    base = max(1, batch * num_kv_heads)
+    limit = max(1, min(max_blocks * block_size // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
+    best, best_fill = 1, 0.0
+    for splits in range(1, limit + 1):
+        programs = base * splits
+        fill = programs / (-(-programs // wave) * wave)
+        if fill > best_fill * 1.05:
+            best, best_fill = splits, fill
+        if fill >= 0.95:
+            break
+    return best
+
+
+_waves: dict[tuple, int] = {}
+
+
+def _wave_size(compiled, device: torch.device) -> int | None:
+    """Programs of ``compiled`` resident at once on the whole GPU, from its registers / shared memory."""
+    n_regs = getattr(compiled, "n_regs", None)
+    if not n_regs:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * _NUM_WARPS
+    shared = getattr(compiled.metadata, "shared", 0) or 0
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
+    per_sm = min(props.max_threads_per_multi_processor // threads,
+                 props.regs_per_multiprocessor // (n_regs * threads),
+                 smem_per_sm // shared if shared else 32)
+    return max(1, per_sm) * props.multi_processor_count
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
-                           blocks_per_split: int | None = None) -> torch.Tensor:
+                           blocks_per_split: int | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its paged KV cache; returns ``out``.
 
     q: ``[B, num_q_heads, head_dim]`` (last-dim stride 1), num_q_heads = G * num_kv_heads; query head
@@ -160,8 +191,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables: int32 ``[B, max_blocks]``; only its first ``ceil(context_lens[b] / block_size)``
     entries of row b are read. context_lens: int32 ``[B]``, each <= max_blocks * block_size; rows with 0
     get zeros. scale: softmax scale. out: optional ``[B, num_q_heads, head_dim]`` to write into,
-    else allocated with q's dtype. blocks_per_split: None (default) = ``default_num_splits`` splits,
-    each row dividing its own context among them; an int forces that many KV blocks per split. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run
+    else allocated with q's dtype. Splits: by default ``default_num_splits`` (from the measured wave
+    size), each row dividing its own context among them; ``num_splits`` forces the count (still per
+    row); ``blocks_per_split`` forces that many KV blocks per split instead. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run
     as tf32 (exact for the 16-bit Q.K products; softmax weights are rounded to tf32 for P.V), with an
     fp32 q or cache as IEEE fp32. No host sync; CUDA-graph capturable.
     """
@@ -182,8 +214,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
 
     max_blocks = block_tables.shape[1]
+    key = (q.device, q.dtype, k_cache.dtype, head_dim, block_size, num_q_heads // num_kv_heads)
     if blocks_per_split is None:
-        num_splits = default_num_splits(batch, num_kv_heads, max_blocks, block_size)
+        num_splits = num_splits or default_num_splits(batch, num_kv_heads, max_blocks, block_size,
+                                                      _waves.get(key, _DEFAULT_WAVE))
         blocks_per_split = max_blocks if num_splits == 1 else 0  # 0: each row splits its own context
     else:
         assert blocks_per_split >= 1
@@ -198,7 +232,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         acc_ws = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     fp32 = torch.float32 in (q.dtype, k_cache.dtype)
 
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    compiled = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, m_ws, l_ws, acc_ws,
         scale * _LOG2E, blocks_per_split, num_splits,
@@ -209,6 +243,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
+    if key not in _waves and q.is_cuda:
+        _waves[key] = _wave_size(compiled, q.device) or _DEFAULT_WAVE
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](
             m_ws, l_ws, acc_ws, out,

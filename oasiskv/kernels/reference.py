@@ -1,4 +1,4 @@
-"""Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``).
+"""Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``, ``fused_ops``).
 
 Same signatures and semantics as the kernels; math in fp32. The engine uses them on CPU, so they are
 vectorized over the batch (they do sync the host, e.g. on ``context_lens.max()``, so they are not
@@ -62,3 +62,29 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o = (torch.softmax(scores, dim=-1) @ v).reshape(batch, num_q_heads, head_dim)
     out.copy_(torch.where((lens > 0)[:, None, None], o, 0.0))
     return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Torch twin of ``fused_ops.rms_norm`` (same rounding points as the HF models)."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (normed.float() * weight.float()).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+    """Torch twin of ``fused_ops.qk_norm_rope`` (in place on q and k)."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    for x, w in ((q, q_weight), (k, k_weight)):
+        y = rms_norm_ref(x, w, eps) if w is not None else x
+        y1, y2 = y.float().chunk(2, dim=-1)
+        x.copy_(torch.cat([y1 * cos - y2 * sin, y2 * cos + y1 * sin], dim=-1))
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """Torch twin of ``fused_ops.silu_mul``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()).to(gate.dtype).float() * up.float()).to(gate.dtype)

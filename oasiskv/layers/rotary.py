@@ -25,18 +25,10 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to q ``[T, Hq, D]`` and k ``[T, Hk, D]`` at integer ``positions`` ``[T]``."""
+    """Holds ``cos_sin`` fp32 ``[max_positions, head_dim]``: cos of the head_dim/2 frequencies, then sin.
+    Applied by ``layers.ops.qk_norm_rope`` (rotate-half convention)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_frequencies(head_dim, rope))
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -15,11 +15,12 @@ import torch
 
 @dataclass
 class SamplingTensors:
-    """Per-row settings on the logits' device. ``generators[i]`` is None for unseeded rows."""
-    temperature: torch.Tensor  # [N] float32, 0 = greedy
-    top_k: torch.Tensor        # [N] int64, <= 0 = off
-    top_p: torch.Tensor        # [N] float32
-    min_p: torch.Tensor        # [N] float32
+    """Per-row settings on the logits' device. ``generators[i]`` is None for unseeded rows. When
+    ``all_greedy`` the tensors may be None (nothing but the argmax is needed)."""
+    temperature: torch.Tensor | None  # [N] float32, 0 = greedy
+    top_k: torch.Tensor | None        # [N] int64, <= 0 = off
+    top_p: torch.Tensor | None        # [N] float32
+    min_p: torch.Tensor | None        # [N] float32
     generators: list[torch.Generator | None]
     all_greedy: bool
     needs_filter: bool

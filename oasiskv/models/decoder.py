@@ -15,18 +15,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.config import ModelConfig
+from oasiskv.layers import ops
 from oasiskv.layers.attention import Attention
 from oasiskv.layers.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
+    """``forward(x)`` -> norm(x); ``forward(x, residual)`` -> (norm(x + residual), x + residual)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -45,19 +48,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block with the residual add fused into the norms: returns (block output, residual);
+        the hidden state after the block is their sum."""
         cfg, t = self.cfg, x.shape[0]
-        h = self.input_layernorm(x)
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        x = x + self.o_proj(self.attn(q, k, v).reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        ops.qk_norm_rope(q, k, positions, rotary.cos_sin, *norms, cfg.rms_norm_eps)
+        h, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v).reshape(t, self.q_size)),
+                                                    residual)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
 
 
 class CausalLM(nn.Module):
@@ -74,10 +79,10 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

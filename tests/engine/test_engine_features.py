@@ -93,6 +93,6 @@ def test_cli_bench_prints_table_and_json():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     points = result["points"]
-    assert [p["engine"] for p in points] == ["oasiskv", "oasiskv", "hf", "hf"]
+    assert [p["engine"] for p in points] == ["oasiskv", "oasiskv", "hf", "hf"]  # hf: batch 1 and 2
     assert points[1]["concurrency"] == 32 * 16 // 64 and all(p["tok_s"] > 0 for p in points)
     assert "roofline" in out.stdout

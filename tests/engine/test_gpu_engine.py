@@ -48,7 +48,8 @@ def test_kv_pool_is_sized_from_free_memory_and_preemption_recovers(cuda_device, 
     assert torch.cuda.memory_reserved() <= 0.55 * total
     small = LLM(str(fixtures_path / "target"), num_kv_blocks=300, max_model_len=2048, max_num_seqs=64)
     batch = eval_prompts(fixtures_path, small, 40, 600, seed=5)
-    outs = small.generate(batch, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    # 7 prompts of 38 blocks fill the pool; growing by 10 blocks each forces preemption
+    outs = small.generate(batch, SamplingParams(max_tokens=160, temperature=0, ignore_eos=True))
     assert small.engine.scheduler.num_preemptions > 0
-    assert all(len(o.token_ids) == 40 for o in outs)
+    assert all(len(o.token_ids) == 160 for o in outs)
     assert small.engine.allocator.num_free_blocks == 300

@@ -133,7 +133,10 @@ def test_default_num_splits():
     assert default_num_splits(1, 8, 16, 16) == 1
     assert default_num_splits(64, 8, 2048, 16) == 1
     # Long contexts at small batch: enough splits to fill the GPU.
-    assert default_num_splits(1, 8, 2048, 16) == 64
+    assert default_num_splits(1, 8, 2048, 16) == 61
+    assert default_num_splits(48, 8, 1024, 16) == 4  # 2 splits would leave the second wave half empty
+    assert default_num_splits(24, 8, 2048, 16) == 8
+    assert default_num_splits(48, 8, 1024, 16, wave=264) == 2
     assert default_num_splits(8, 8, 1024, 16) == 8
     assert default_num_splits(32, 8, 2048, 16) == 2
 
