@@ -64,5 +64,8 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
         if not isinstance(m.get("content"), str):
             raise ValueError("message content must be a string")
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template itself may reject a conversation (e.g. role order)
+            raise ValueError(f"the model's chat template rejected these messages: {exc}") from None
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"

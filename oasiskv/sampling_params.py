@@ -5,6 +5,7 @@ every request before the request touches any engine state.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -46,25 +47,34 @@ class SamplingParams:
         def bad(name, value, want):
             raise ValueError(f"{name} must be {want}, got {value!r}")
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _integer(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", self.temperature, ">= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
+            bad("temperature", self.temperature, "a finite number >= 0")
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", self.top_k, "an integer; 0 or -1 disables it")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not _integer(self.top_k) or not -1 <= self.top_k < 2**31:
+            bad("top_k", self.top_k, "an integer below 2**31; 0 or -1 disables it")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad("seed", self.seed, "a non-negative integer or None")
+        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2**63):
+            bad("seed", self.seed, "an integer in [0, 2**63) or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= self.MAX_LOGPROBS):
+            if value is not None and (not _integer(value) or not 0 <= value <= self.MAX_LOGPROBS):
                 bad(name, value, f"an integer in [0, {self.MAX_LOGPROBS}] or None")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", self.stop, "a list of non-empty strings")
         for tok in self.stop_token_ids:
-            if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            if not _integer(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
                 bad("stop_token_ids", self.stop_token_ids, f"token ids in [0, {vocab_size})")
         return self
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    """A real number (NaN fails every range check that follows, so it is rejected too)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -98,8 +98,9 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError (nothing queued) on bad input."""
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError (nothing queued) on bad input.
+        ``arrival_time`` (``time.monotonic()`` seconds) is when a caller received it; default now."""
         params = (params or SamplingParams()).validate(self.model_config.vocab_size)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
@@ -107,6 +108,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(ids, params, request_id=request_id)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.requests[request_id] = _Request(seq, Detokenizer(self.tokenizer, ids, params.stop))
         self.scheduler.add(seq)
         self._update_queue_stats()

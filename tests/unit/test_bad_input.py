@@ -114,3 +114,13 @@ def test_engine_config_rejects_nonsense():
         EngineConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int3")
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"), (dict(seed=2**64), "seed"), (dict(top_k=2**40), "top_k"),
+    (dict(max_tokens=True), "max_tokens"),
+])
+def test_values_that_would_fail_mid_step_are_rejected_up_front(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw).validate(vocab_size=1000)
