@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set OASISKV_API_KEY)")
     srv.add_argument("--max-waiting", type=int, default=1024,
-                     help="most requests queued before new ones get HTTP 503 (default: 1024)")
+                     help="most unfinished generations (queued or running) before new requests get HTTP 503 "
+                          "(default: 1024)")
     srv.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
     srv.set_defaults(func=cmd_serve)
 

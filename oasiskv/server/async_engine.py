@@ -1,0 +1,283 @@
+"""AsyncEngine: the bridge between asyncio request handlers and the one thread that drives LLMEngine.
+
+Threading contract: only the engine thread touches the ``LLMEngine`` (including its tokenizer). The
+event loop sends it commands (add, abort, stop) through a thread-safe queue; the thread applies all
+pending commands between two steps, and blocks on the queue when nothing is unfinished (no busy
+spin). Results come back to the loop with ``loop.call_soon_threadsafe``, one call per step, and are
+routed to the ``RequestHandle`` of the HTTP request they belong to. All handle and routing state
+lives on the loop thread.
+
+Failure contract: bad input is refused with ``APIError(400)`` before anything is queued. An exception
+escaping ``LLMEngine.step`` fails every unfinished request with ``APIError(500)`` and the thread goes
+on serving. On shutdown every unfinished request ends with ``APIError(503)``. A request whose
+consumer goes away must be aborted (``RequestHandle.abort``): the engine frees its KV between the
+next two steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from oasiskv.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from oasiskv.sampling_params import SamplingParams
+from oasiskv.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_ids: list[str]            # len(prompts) * len(params), prompt-major
+    prompts: list[str | list[int]]
+    params: list[SamplingParams]
+    max_tokens: int | None
+    reply: asyncio.Future
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)  # TTFT counts queueing too
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+_STOP = object()
+
+
+class RequestHandle:
+    """The engine requests of one API request: choice ``i`` is prompt ``i // n``'s ``i % n``-th sample.
+
+    ``prompt_token_ids`` holds each prompt's tokens once the engine accepted the request. Iterate
+    ``outputs()`` to receive ``(choice index, RequestOutput)`` in the order the engine produced them.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+        self._engine = engine
+        self.request_ids = request_ids
+        self.prompt_token_ids: list[list[int]] = []
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | APIError]] = asyncio.Queue()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield until every choice finished; raises the ``APIError`` that ends a choice early."""
+        unfinished = len(self.request_ids)
+        while unfinished:
+            index, item = await self._queue.get()
+            if isinstance(item, APIError):
+                raise item
+            unfinished -= item.finished
+            yield index, item
+
+    def abort(self) -> None:
+        """Abort the choices that have not finished (idempotent; safe after completion)."""
+        self._engine._abort(self.request_ids)
+
+
+class AsyncEngine:
+    """Owns the engine thread. ``start()`` and every other method run on the event loop, except
+    ``begin_shutdown`` which may be called from any thread or a signal handler."""
+
+    def __init__(self, engine: LLMEngine, max_waiting: int,
+                 on_finished: Callable[[RequestOutput], None] | None = None):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_finished = on_finished
+        self.stats: EngineStats = dataclasses.replace(engine.stats)  #: snapshot after the last step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, tuple[RequestHandle, int]] = {}  # unfinished engine request -> (handle, choice)
+        self._ids = itertools.count()
+        self._live: set[str] = set()  # engine thread only: requests added and not finished or aborted
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    # ---- event-loop side -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="oasiskv-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return not self._closing and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        """Engine requests submitted and not yet finished, failed or aborted."""
+        return len(self._routes)
+
+    async def submit(self, prompts: list[str | list[int]], params: list[SamplingParams],
+                     max_tokens: int | None) -> RequestHandle:
+        """Start ``len(prompts) * len(params)`` engine requests, all or none.
+
+        ``params[j]`` is choice ``j`` of every prompt; their ``max_tokens`` is replaced: by
+        ``max_tokens`` (0 still generates one token, for the caller to drop), or by whatever the
+        context leaves after the prompt when ``max_tokens`` is None. Raises ``APIError``: 400 for bad
+        prompts or a prompt plus ``max_tokens`` over the context limit, 503 when more than
+        ``max_waiting`` engine requests would be unfinished or the server is shutting down.
+        """
+        count = len(prompts) * len(params)
+        if not self.healthy:
+            raise APIError(503, "the server is shutting down")
+        if count > self.max_waiting:
+            raise APIError(400, f"this request needs {count} generations (prompts x n) but the server "
+                                f"admits at most {self.max_waiting} at a time", param="n")
+        if self.num_unfinished + count > self.max_waiting:
+            raise APIError(503, f"the server is overloaded: {self.num_unfinished} requests are queued or "
+                                f"running (limit {self.max_waiting}); retry later", code="overloaded")
+        base = f"r{next(self._ids)}"
+        handle = RequestHandle(self, [f"{base}-{i}" for i in range(count)])
+        for i, rid in enumerate(handle.request_ids):
+            self._routes[rid] = (handle, i)
+        reply = self._loop.create_future()
+        self._commands.put(_Add(handle.request_ids, prompts, params, max_tokens, reply))
+        try:
+            handle.prompt_token_ids = await reply
+        except BaseException:  # refused, or the client left while waiting: nothing may stay queued
+            handle.abort()
+            raise
+        return handle
+
+    def _abort(self, request_ids: list[str]) -> None:
+        live = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
+        if live and self.healthy:
+            self._commands.put(_Abort(live))
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting requests and end every unfinished one (thread- and signal-safe)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._shutdown)
+
+    def _shutdown(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._commands.put(_STOP)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Shut down (if not yet) and wait for the engine thread to exit."""
+        self._shutdown()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    def _dispatch(self, items: list[tuple[str, RequestOutput | APIError]]) -> None:
+        for rid, item in items:
+            route = self._routes.get(rid)
+            if route is None:
+                continue  # aborted: its consumer is gone
+            handle, index = route
+            if isinstance(item, APIError) or item.finished:
+                del self._routes[rid]
+                if self.on_finished is not None and not isinstance(item, APIError):
+                    self.on_finished(item)
+            handle._queue.put_nowait((index, item))
+
+    def _resolve(self, future: asyncio.Future, result) -> None:
+        if not future.done():  # cancelled when the client left first
+            (future.set_exception if isinstance(result, APIError) else future.set_result)(result)
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _run(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        finally:  # stopped (or, by a bug, crashed): nothing may be left waiting for this thread
+            self._fail_live(APIError(503, "the engine has stopped (the server is shutting down); "
+                                          "the request was aborted"))
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, _Add):
+                    self._post(self._resolve, cmd.reply, APIError(503, "the server is shutting down"))
+
+    def _serve_once(self) -> bool:
+        """Apply pending commands (waiting for one when idle), then run one step. False on stop."""
+        try:
+            commands = [] if self.engine.has_unfinished() else [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if cmd is _STOP:
+                    return False
+                self._apply(cmd)
+            if self.engine.has_unfinished():
+                outputs = self.engine.step()
+                self._live.difference_update(o.request_id for o in outputs if o.finished)
+                self._post(self._dispatch, [(o.request_id, o) for o in outputs])
+        except Exception as exc:
+            logger.exception("the engine loop failed; failing its %d unfinished requests", len(self._live))
+            self._fail_live(APIError(500, f"internal engine error: {type(exc).__name__}: {exc}"))
+        self.stats = dataclasses.replace(self.engine.stats)
+        return True
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            for rid in cmd.request_ids:
+                if rid in self._live:
+                    self._live.discard(rid)
+                    self.engine.abort(rid)
+            return
+        try:
+            prompt_ids = self._add(cmd)
+        except APIError as exc:
+            self._post(self._resolve, cmd.reply, exc)
+        except ValueError as exc:  # the engine refused the prompt
+            self._post(self._resolve, cmd.reply, APIError(400, str(exc), param="prompt"))
+        except Exception as exc:
+            logger.exception("adding a request failed")
+            self._post(self._resolve, cmd.reply, APIError(500, f"internal engine error: {type(exc).__name__}: {exc}"))
+        else:
+            self._post(self._resolve, cmd.reply, prompt_ids)
+
+    def _add(self, cmd: _Add) -> list[list[int]]:
+        limit = self.engine.max_model_len
+        prompt_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in cmd.prompts]
+        for ids in prompt_ids:
+            if len(ids) >= limit:
+                raise APIError(400, f"the prompt has {len(ids)} tokens but the context limit is {limit} tokens "
+                                    f"(prompt + output): shorten the prompt", param="prompt")
+            if cmd.max_tokens is not None and len(ids) + cmd.max_tokens > limit:
+                raise APIError(400, f"max_tokens is {cmd.max_tokens} but the prompt has {len(ids)} tokens and "
+                                    f"the context limit is {limit}: ask for at most {limit - len(ids)} tokens",
+                               param="max_tokens")
+        added: list[str] = []
+        try:
+            rids = iter(cmd.request_ids)
+            for ids in prompt_ids:
+                budget = limit - len(ids) if cmd.max_tokens is None else max(cmd.max_tokens, 1)
+                for p in cmd.params:
+                    added.append(self.engine.add_request(ids, dataclasses.replace(p, max_tokens=budget), next(rids),
+                                                          cmd.arrival_time))
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        self._live.update(added)
+        return prompt_ids
+
+    def _fail_live(self, error: APIError) -> None:
+        failed = list(self._live)
+        self._live.clear()
+        for rid in failed:
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                logger.exception("aborting %s failed", rid)
+        self._post(self._dispatch, [(rid, error) for rid in failed])

@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server, in their own registry (``GET /metrics`` renders it).
+
+Gauges and token counters are read at scrape time from the latest ``EngineStats`` snapshot; latency
+histograms and the finished-request counter are fed by ``observe`` when a request finishes. Token
+counters count what the engine computed: prompt tokens prefilled (prefix-cache hits excluded,
+recomputation after preemption included) and tokens generated.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from oasiskv.engine.llm_engine import EngineStats, RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        gauges = [
+            ("oasiskv_num_requests_running", "Sequences in the running batch", s.num_running),
+            ("oasiskv_num_requests_waiting", "Sequences waiting to be scheduled", s.num_waiting),
+            ("oasiskv_kv_blocks_total", "KV cache blocks in the pool", s.kv_blocks_total),
+            ("oasiskv_kv_blocks_free", "KV cache blocks free", s.kv_blocks_free),
+            ("oasiskv_kv_blocks_used", "KV cache blocks held by sequences", s.kv_blocks_total - s.kv_blocks_free),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("oasiskv_prompt_tokens", "Prompt tokens prefilled", s.prompt_tokens_total),
+            ("oasiskv_generation_tokens", "Tokens generated", s.generation_tokens_total),
+            ("oasiskv_num_preemptions", "Sequences preempted for lack of KV blocks", s.num_preemptions),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        self.ttft = Histogram("oasiskv_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("oasiskv_time_per_output_token_seconds", "Mean time between generated tokens "
+                              "of a request", buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("oasiskv_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("oasiskv_requests_finished", "Engine requests finished, by finish reason",
+                                ["finish_reason"], registry=self.registry)
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record a finished request (times are the engine's monotonic clock)."""
+        self.finished.labels(out.finish_reason or "unknown").inc()
+        if out.first_token_time is None or out.finish_time is None:
+            return
+        self.ttft.observe(out.first_token_time - out.arrival_time)
+        self.e2e.observe(out.finish_time - out.arrival_time)
+        if len(out.token_ids) > 1:
+            self.tpot.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
