@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     add_engine_flags(gen)
-    gen.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
+    gen.add_argument("--prompt", default="import numpy as np\n\n\ndef ", help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user chat message")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -96,3 +96,13 @@ def test_cli_bench_prints_table_and_json():
     assert [p["engine"] for p in points] == ["oasiskv", "oasiskv", "hf", "hf"]  # hf: batch 1 and 2
     assert points[1]["concurrency"] == 32 * 16 // 64 and all(p["tok_s"] > 0 for p in points)
     assert "roofline" in out.stdout
+
+
+def test_chat_template_is_used_when_the_tokenizer_has_one(llm, monkeypatch):
+    from oasiskv.llm import render_chat
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    monkeypatch.setattr(llm.tokenizer, "chat_template", template, raising=False)
+    assert render_chat(llm.tokenizer, [{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ raise_exception('bad order') }}", raising=False)
+    with pytest.raises(ValueError, match="chat template"):
+        render_chat(llm.tokenizer, [{"role": "user", "content": "hi"}])

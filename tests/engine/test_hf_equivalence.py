@@ -79,3 +79,15 @@ def test_fixture_target_matches_transformers(fixtures_path):
     want = hf_greedy(fixtures_path / "target", prompt, 64)
     got = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0].token_ids
     assert got == want
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+    path = write_tiny_checkpoint(tmp_path / "one", "qwen2")
+    AutoModelForCausalLM.from_pretrained(str(path)).save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    batch = prompts(2, 320, seed=3)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(path), num_kv_blocks=64).generate(batch, params)]
+    assert [o.token_ids for o in LLM(str(tmp_path / "sharded"), num_kv_blocks=64).generate(batch, params)] == want
