@@ -94,13 +94,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     else:
-        from oasiskv.engine.model_runner import resolve_device
-        from oasiskv.config import ModelConfig, parse_dtype
+        from oasiskv.config import ModelConfig
+        from oasiskv.engine.model_runner import resolve_device, resolve_dtype
         from oasiskv.models.loader import resolve_model_path
         hf_model_path = resolve_model_path(args.model)
         device = resolve_device(args.device)
-        dtype = parse_dtype(args.dtype) or (ModelConfig.from_file(hf_model_path / "config.json").dtype
-                                            if device.type == "cuda" else torch.float32)
+        dtype = resolve_dtype(args.dtype, ModelConfig.from_file(hf_model_path / "config.json"), device)
     if "hf" in engines:
         from oasiskv.bench.hf_baseline import bench_hf
         env.setdefault("copy_gb_s", measure_copy_bandwidth(device) / 1e9)

@@ -47,12 +47,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto`` -> the checkpoint's dtype on CUDA, float32 elsewhere (CPUs are slow at 16-bit math)."""
+    return parse_dtype(name) or (model_config.dtype if device.type == "cuda" else torch.float32)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig):
         self.config, self.model_config = config, model_config
         self.device = resolve_device(config.device)
-        self.dtype = parse_dtype(config.dtype) or (model_config.dtype if self.device.type == "cuda"
-                                                   else torch.float32)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         max_len = config.max_model_len or model_config.max_position_embeddings
         self.model = load_model(model_path, model_config, self.dtype, self.device,
                                 max(max_len, model_config.max_position_embeddings), config.load_format)
