@@ -1,9 +1,11 @@
-"""AttentionBackend: the interface between attention layers and the KV cache.
+"""AttentionBackend: the interface between attention layers and the KV storage.
 
-A backend owns the KV storage for every layer and computes attention for one layer given the step's
-``ForwardBatch``. The model runner calls ``allocate`` once (after sizing), then runs the model; each
-attention layer calls ``forward``. Graph capture needs nothing special from a backend whose
-``forward`` reads only the batch's tensors (the CUDA-graph runner keeps those static).
+A backend owns the KV storage of every layer and computes attention for one layer from the step's
+``ForwardBatch``. Lifecycle: the model runner builds it, runs a warm-up prefill (``forward`` must work
+before ``allocate`` for a prefill without prefix, storing nothing), calls ``allocate`` with the HBM
+budget it measured (None on CPU), then asks ``make_allocator`` for the matching ``KVAllocator`` the
+scheduler consults. A backend whose ``forward`` reads only the batch's tensors and never syncs the
+host can be captured in CUDA graphs (``supports_cuda_graphs``).
 """
 from __future__ import annotations
 
@@ -12,19 +14,31 @@ from abc import ABC, abstractmethod
 import torch
 
 from oasiskv.engine.forward_batch import ForwardBatch
+from oasiskv.engine.kv_allocator import KVAllocator
 
 
 class AttentionBackend(ABC):
-    @abstractmethod
-    def bytes_per_block(self) -> int:
-        """Device bytes one KV block takes over all layers (used to size the pool)."""
+    supports_cuda_graphs: bool = True
 
     @abstractmethod
-    def allocate(self, num_blocks: int) -> None:
-        """Create the KV storage for ``num_blocks`` blocks. Before this, ``forward`` must still work
-        for prefill without prefix (warm-up) and store nothing."""
+    def allocate(self, budget_bytes: int | None) -> None:
+        """Create the KV storage within ``budget_bytes`` of device memory (None: the backend's CPU default
+        or its explicit settings). Raises RuntimeError when not even one sequence fits."""
+
+    @abstractmethod
+    def make_allocator(self) -> KVAllocator:
+        """The allocator that hands out this backend's storage (called once, after ``allocate``)."""
+
+    @property
+    @abstractmethod
+    def max_tokens_per_seq(self) -> int:
+        """The most tokens one sequence can hold once storage exists."""
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Store this step's k/v ``[T, Hk, D]`` and return attention of q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+
+    def step_stats(self) -> dict[str, float]:
+        """Counters of the last step for the engine's stats (e.g. blocks fetched); empty by default."""
+        return {}

@@ -2,40 +2,63 @@
 
 Storage per layer: ``k_cache``/``v_cache`` ``[num_blocks, Hk, block_size, D]`` (one (block, kv-head)
 slice is contiguous). Decode uses the paged decode kernel (Triton on CUDA, the torch reference on
-CPU). Prefill uses torch SDPA per sequence: over the fresh K/V when the sequence has no cached
-prefix, else over its K/V gathered from the cache with a bottom-right causal mask.
+CPU); prefill uses ``prefill_attention`` with the cached prefix gathered from the pool.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
-import torch.nn.functional as F
 
 from oasiskv.attention.base import AttentionBackend
+from oasiskv.attention.prefill import prefill_attention
+from oasiskv.config import EngineConfig, ModelConfig
+from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.forward_batch import ForwardBatch
-from oasiskv.kernels import reference
+from oasiskv.kernels.dispatch import kernel
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BYTES = 4 << 30
 
 
 class DenseBackend(AttentionBackend):
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.block_size, self.dtype, self.device = block_size, dtype, device
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.num_layers, self.num_kv_heads = model_config.num_layers, model_config.num_kv_heads
+        self.head_dim, self.block_size = model_config.head_dim, config.block_size
+        self.dtype, self.device = dtype, device
+        self.num_blocks = 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
-        if device.type == "cuda":
-            from oasiskv.kernels.paged_decode import paged_decode_attention
-            from oasiskv.kernels.store_kv import store_kv
-            self._store, self._decode = store_kv, paged_decode_attention
-        else:
-            self._store, self._decode = reference.store_kv_ref, reference.paged_decode_ref
+        cuda = device.type == "cuda"
+        self._store, self._decode = kernel("store_kv", cuda), kernel("paged_decode_attention", cuda)
 
     def bytes_per_block(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
 
-    def allocate(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+    def allocate(self, budget_bytes: int | None) -> None:
+        per_block = self.bytes_per_block()
+        if self.config.num_kv_blocks:
+            blocks = self.config.num_kv_blocks
+        else:
+            blocks = (CPU_KV_BYTES if budget_bytes is None else budget_bytes) // per_block
+        if blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (one block needs {per_block} bytes): "
+                               f"raise gpu_memory_utilization or lower max_num_batched_tokens")
+        logger.info("KV pool: %d blocks of %d tokens (%.2f GiB, %d tokens)", blocks, self.block_size,
+                    blocks * per_block / 2**30, blocks * self.block_size)
+        shape = (blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        self.num_blocks = blocks
         self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def make_allocator(self) -> BlockManager:
+        return BlockManager(self.num_blocks, self.block_size)
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        return self.num_blocks * self.block_size
 
     def forward(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if self.k_cache:
@@ -43,27 +66,7 @@ class DenseBackend(AttentionBackend):
         if not batch.is_prefill:
             return self._decode(q, self.k_cache[layer], self.v_cache[layer], batch.block_tables,
                                 batch.context_lens, scale)
-        return self._prefill(layer, q, k, v, batch, scale)
-
-    def _prefill(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
-        start = 0
-        for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
-            qi = q[start:start + n].transpose(0, 1)
-            if prefix == 0:
-                ki, vi, mask = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1), None
-            else:  # bottom-right causal: query at position prefix + j sees keys 0 .. prefix + j
-                ki, vi = self._gather(layer, batch.block_tables[i], prefix + n)
-                pos_q = torch.arange(prefix, prefix + n, device=q.device)
-                mask = torch.arange(prefix + n, device=q.device)[None, :] <= pos_q[:, None]
-            # Expanded K/V heads (not enable_gqa) keep SDPA on its fused kernels for masked calls too.
-            ki, vi = ki.repeat_interleave(group, dim=0), vi.repeat_interleave(group, dim=0)
-            oi = F.scaled_dot_product_attention(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0),
-                                                attn_mask=mask, is_causal=mask is None, scale=scale)
-            out[start:start + n] = oi[0].transpose(0, 1)
-            start += n
-        return out
+        return prefill_attention(q, k, v, batch, scale, lambda i, n: self._gather(layer, batch.block_tables[i], n))
 
     def _gather(self, layer: int, block_table: torch.Tensor, length: int):
         """K and V of one sequence's first ``length`` tokens as ``[Hk, length, D]``."""

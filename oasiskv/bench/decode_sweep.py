@@ -124,7 +124,7 @@ def _environment(engine: LLMEngine) -> dict:
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "copy_gb_s": measure_copy_bandwidth(device) / 1e9,
         "weights_gb": weight_bytes(engine.runner.model) / 1e9,
-        "kv_pool_tokens": engine.runner.num_blocks * engine.config.block_size,
+        "kv_pool_tokens": engine.allocator.num_total_blocks * engine.config.block_size,
         "cuda_graphs": engine.runner.graphs is not None,
         "torch": torch.__version__,
     }
@@ -132,7 +132,10 @@ def _environment(engine: LLMEngine) -> dict:
 
 def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
     per_request = -(-(context + output_len) // engine.config.block_size)
-    return max(1, min(engine.runner.num_blocks // per_request, engine.config.max_num_seqs))
+    limits = [engine.allocator.num_total_blocks // per_request, engine.config.max_num_seqs]
+    if engine.allocator.max_running is not None:
+        limits.append(engine.allocator.max_running)
+    return max(1, min(limits))
 
 
 def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict, seed: int) -> Point:

@@ -38,6 +38,7 @@ class CudaGraphRunner:
             slot_mapping=torch.full((max_bs,), -1, dtype=torch.long, device=device),
             block_tables=torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32, device=device),
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
+            seq_slots=torch.full((max_bs,), -1, dtype=torch.int32, device=device),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -46,7 +47,7 @@ class CudaGraphRunner:
     def _view(self, bs: int) -> ForwardBatch:
         s = self.static
         return ForwardBatch(False, s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs],
-                            s.block_tables[:bs], s.context_lens[:bs])
+                            s.block_tables[:bs], s.context_lens[:bs], seq_slots=s.seq_slots[:bs])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -77,7 +78,9 @@ class CudaGraphRunner:
         s.slot_mapping[:bs].copy_(batch.slot_mapping)
         s.block_tables[:bs, :batch.block_tables.shape[1]].copy_(batch.block_tables)
         s.context_lens[:bs].copy_(batch.context_lens)
+        s.seq_slots[:bs].copy_(batch.seq_slots)
         s.slot_mapping[bs:padded].fill_(-1)
         s.context_lens[bs:padded].fill_(0)
+        s.seq_slots[bs:padded].fill_(-1)
         self.graphs[padded].replay()
         return self.outputs[padded][:bs]

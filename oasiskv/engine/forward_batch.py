@@ -26,6 +26,8 @@ class ForwardBatch:
     (negative = padding, not stored). block_tables: ``[B, max_blocks]`` int32. context_lens: ``[B]``
     int32 tokens each sequence attends to after this step's tokens are stored (0 = padding row).
     Prefill only: query_lens / prefix_lens (host lists, per sequence: new tokens, tokens already cached).
+    seq_slots: ``[B]`` int32 per-sequence KV state slot (``Sequence.kv_slot``; -1 when the backend keeps
+    none). last_chunk: host list, True where this step computes a sequence's last uncomputed token.
     """
     is_prefill: bool
     input_ids: torch.Tensor
@@ -35,6 +37,8 @@ class ForwardBatch:
     context_lens: torch.Tensor
     query_lens: list[int] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
+    seq_slots: torch.Tensor | None = None
+    last_chunk: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

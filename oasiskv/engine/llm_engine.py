@@ -11,11 +11,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from oasiskv.config import EngineConfig, ModelConfig
-from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.detokenizer import Detokenizer
 from oasiskv.engine.model_runner import ModelRunner
 from oasiskv.engine.scheduler import Scheduler
@@ -61,6 +60,7 @@ class EngineStats:
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
     last_step_prefill: bool = False
+    kv: dict = field(default_factory=dict)  # the backend's per-step counters (tiered KV: fetches, hits, ...)
 
 
 @dataclass
@@ -82,14 +82,15 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_path)
         self.runner = ModelRunner(config, self.model_path, self.model_config)
         self.max_model_len = self.runner.max_model_len
-        self.allocator = BlockManager(self.runner.num_blocks, config.block_size)
+        self.allocator = self.runner.backend.make_allocator()
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self.stats = EngineStats(kv_blocks_total=self.runner.num_blocks, kv_blocks_free=self.runner.num_blocks)
+        self.stats = EngineStats(kv_blocks_total=self.allocator.num_total_blocks,
+                                 kv_blocks_free=self.allocator.num_free_blocks)
 
     # ---- requests --------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -212,6 +213,7 @@ class LLMEngine:
         if batch.is_prefill:
             s.prompt_tokens_total += sum(batch.num_tokens)
         s.generation_tokens_total += num_sampled
+        s.kv = self.runner.backend.step_stats()
         self._update_queue_stats()
 
     def _update_queue_stats(self) -> None:

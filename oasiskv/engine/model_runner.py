@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oasiskv.attention.dense import DenseBackend
+from oasiskv.attention import make_backend
 from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
 from oasiskv.engine.cuda_graph import CudaGraphRunner
 from oasiskv.engine.forward_batch import ForwardBatch, forward_context
@@ -25,7 +25,6 @@ from oasiskv.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_BYTES = 4 << 30
 PROMPT_LOGITS_CHUNK = 1024
 
 
@@ -60,39 +59,22 @@ class ModelRunner:
         max_len = config.max_model_len or model_config.max_position_embeddings
         self.model = load_model(model_path, model_config, self.dtype, self.device,
                                 max(max_len, model_config.max_position_embeddings), config.load_format)
-        self.backend = DenseBackend(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                                    config.block_size, self.dtype, self.device)
-        self.num_blocks = self._size_pool(max_len)
-        self.backend.allocate(self.num_blocks)
-        self.max_model_len = min(max_len, self.num_blocks * config.block_size)
+        self.backend = make_backend(config, model_config, self.dtype, self.device)
+        self.backend.allocate(self._measure_budget() if self.device.type == "cuda" else None)
+        self.max_model_len = min(max_len, self.backend.max_tokens_per_seq)
         if self.max_model_len < max_len:
-            logger.warning("max_model_len lowered from %d to %d: the KV pool holds only %d blocks",
-                           max_len, self.max_model_len, self.num_blocks)
+            logger.warning("max_model_len lowered from %d to %d: the KV storage holds only %d tokens per sequence",
+                           max_len, self.max_model_len, self.backend.max_tokens_per_seq)
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, min(config.max_graph_batch, config.max_num_seqs),
                                           self.max_blocks_per_seq, self.device)
 
-    # ---- KV pool sizing --------------------------------------------------------------------------
-    def _size_pool(self, max_len: int) -> int:
-        per_block = self.backend.bytes_per_block()
-        if self.config.num_kv_blocks:
-            blocks = self.config.num_kv_blocks
-        elif self.device.type != "cuda":
-            blocks = CPU_KV_BYTES // per_block
-        else:
-            blocks = self._measure_free_blocks(per_block)
-        if blocks < 1:
-            raise RuntimeError(f"no memory left for the KV cache (one block needs {per_block} bytes): "
-                               f"raise gpu_memory_utilization or lower max_num_batched_tokens")
-        logger.info("KV pool: %d blocks of %d tokens (%.2f GiB, %d tokens)", blocks, self.config.block_size,
-                    blocks * per_block / 2**30, blocks * self.config.block_size)
-        return blocks
-
-    def _measure_free_blocks(self, per_block: int) -> int:
-        """Warm up with the largest prefill, then give the KV pool what ``gpu_memory_utilization`` leaves."""
+    def _measure_budget(self) -> int:
+        """Warm up with the largest prefill, then return the device bytes ``gpu_memory_utilization`` leaves
+        for KV storage."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
@@ -107,8 +89,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        budget = total * self.config.gpu_memory_utilization - used_by_others - peak
-        return int(budget // per_block)
+        return max(0, int(total * self.config.gpu_memory_utilization - used_by_others - peak))
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -144,7 +125,9 @@ class ModelRunner:
         return ForwardBatch(batch.is_prefill, self._to_device(ids, torch.long), self._to_device(pos, torch.long),
                             self._to_device(slots, torch.long), self._to_device(tables, torch.int32),
                             self._to_device(ctx, torch.int32), list(batch.num_tokens),
-                            [s.num_computed_tokens for s in batch.seqs])
+                            [s.num_computed_tokens for s in batch.seqs],
+                            self._to_device([s.kv_slot for s in batch.seqs], torch.int32),
+                            [s.num_computed_tokens + n == len(s) for s, n in zip(batch.seqs, batch.num_tokens)])
 
     def _sample(self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor) -> StepResult:
         rows, sampled_seqs, ends = [], [], []

@@ -44,7 +44,7 @@ def test_kv_pool_is_sized_from_free_memory_and_preemption_recovers(cuda_device, 
     import torch
     llm = LLM(str(fixtures_path / "target"), gpu_memory_utilization=0.5)
     free, total = torch.cuda.mem_get_info()
-    assert llm.engine.runner.num_blocks > 1000
+    assert llm.engine.allocator.num_total_blocks > 1000
     assert torch.cuda.memory_reserved() <= 0.55 * total
     small = LLM(str(fixtures_path / "target"), num_kv_blocks=300, max_model_len=2048, max_num_seqs=64)
     batch = eval_prompts(fixtures_path, small, 40, 600, seed=5)
