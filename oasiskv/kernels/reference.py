@@ -1,4 +1,5 @@
-"""Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``, ``fused_ops``).
+"""Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``, ``fused_ops``,
+and the sparse path: ``sparse_decode``, ``block_scores``, ``uva_gather``, ``summaries``).
 
 Same signatures and semantics as the kernels; math in fp32. The engine uses them on CPU, so they are
 vectorized over the batch (they do sync the host, e.g. on ``context_lens.max()``, so they are not
@@ -11,8 +12,9 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
                  slot_mapping: torch.Tensor) -> None:
     """Write ``k[i]``/``v[i]`` (``[N, num_kv_heads, head_dim]``) into cache slot ``slot_mapping[i]``.
 
-    Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]``, written in place with values cast to
-    their dtype; slot = ``block_id * block_size + offset``; negative slots are skipped.
+    Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (or strided views of that shape, e.g. a
+    layer of the host store), written in place with values cast to their dtype; slot =
+    ``block_id * block_size + offset``; negative slots are skipped.
     """
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
@@ -88,3 +90,107 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """Torch twin of ``fused_ops.silu_mul``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate.float()).to(gate.dtype).float() * up.float()).to(gate.dtype)
+
+
+# ---------------------------------------------------------------- sparse (tiered-KV) decode path
+
+
+def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor, ws_map: torch.Tensor,
+                      seq_slots: torch.Tensor, local_lens: torch.Tensor, scale: float,
+                      out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention over per-head working sets, as ``sparse_decode_attention``; returns ``out``.
+
+    q: ``[N, Hq, D]``; query head h attends kv head ``h // G``. ws_k, ws_v: ``[S, Hk, W, B, D]``.
+    ws_map: ``[S, Hk, W]``, -1 = empty slot. seq_slots: ``[N]``, -1 = padding row. local_lens: ``[N]``.
+    Row n, kv head h attends the B tokens of every slot ``j < W-1`` with ``ws_map[s, h, j] >= 0`` and
+    the first ``local_lens[n]`` tokens of slot W-1; rows with nothing to attend give zeros. num_splits
+    is accepted for signature parity and ignored.
+    """
+    n, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, num_slots, block_size, _ = ws_k.shape
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    seq = seq_slots.long()
+    rows = seq.clamp(min=0)
+    slot_ok = ws_map[rows] >= 0  # [N, Hk, W]; the local slot's entry is replaced below
+    tok_ok = slot_ok[..., None].expand(-1, -1, -1, block_size).clone()  # [N, Hk, W, B]
+    local_ok = torch.arange(block_size, device=q.device) < local_lens.long()[:, None]  # [N, B]
+    tok_ok[:, :, num_slots - 1] = local_ok[:, None, :]
+    tokens = num_slots * block_size
+    valid = (tok_ok & (seq >= 0)[:, None, None, None]).reshape(n, num_kv_heads, tokens)
+
+    k = ws_k[rows].reshape(n, num_kv_heads, tokens, head_dim).float().masked_fill(~valid[..., None], 0.0)
+    v = ws_v[rows].reshape(n, num_kv_heads, tokens, head_dim).float().masked_fill(~valid[..., None], 0.0)
+    qf = q.float().reshape(n, num_kv_heads, group, head_dim)
+    scores = (qf @ k.transpose(-1, -2)) * scale  # [N, Hk, G, T]
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.where(valid.any(-1)[:, :, None, None], torch.softmax(scores, dim=-1), 0.0)
+    out.copy_((probs @ v).reshape(n, num_q_heads, head_dim))
+    return out
+
+
+def block_scores_ref(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
+                     num_blocks: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Summary scores, as ``block_scores``: float32 ``[N, Hk, max_blocks]``; returns ``out``.
+
+    ``out[n, h, b]`` = sum over the G query heads g of kv head h of ``q_g . c + alpha * |q_g| . r`` with
+    c, r the center and radius of ``summaries[block_tables[n, b], h]`` (rows max, min), for
+    ``b < num_blocks[n]``; -inf past it (those table entries are not used).
+    """
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = summaries.shape[1]
+    max_blocks = block_tables.shape[1]
+    if out is None:
+        out = torch.empty((n, num_kv_heads, max_blocks), dtype=torch.float32, device=q.device)
+    used = torch.arange(max_blocks, device=q.device) < num_blocks.long()[:, None]  # [N, max_blocks]
+    ids = torch.where(used, block_tables.long(), 0)
+    box = summaries[ids].float()  # [N, max_blocks, Hk, 2, D]
+    center, radius = (box[..., 0, :] + box[..., 1, :]) / 2, (box[..., 0, :] - box[..., 1, :]) / 2
+    qf = q.float().reshape(n, num_kv_heads, -1, head_dim)
+    q_sum, q_abs = qf.sum(2), qf.abs().sum(2)  # [N, Hk, D]
+    scores = torch.einsum("nhd,nbhd->nhb", q_sum, center) + alpha * torch.einsum("nhd,nbhd->nhb", q_abs, radius)
+    out.copy_(scores.masked_fill(~used[:, None, :], float("-inf")))
+    return out
+
+
+def gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: torch.Tensor,
+                      ws_v: torch.Tensor, src_block: torch.Tensor, src_head: torch.Tensor,
+                      dst_slot: torch.Tensor, num_programs: int = 64) -> None:
+    """Copy ``host[src_block[i], layer, src_head[i]]`` (``[B, D]``) into slot ``dst_slot[i]`` of the working
+    set flattened as ``[S * Hk * W, B, D]``, K and V, as ``gather_blocks``; items with a negative
+    ``src_block`` are skipped. Host and working set may live on different devices. num_programs is
+    accepted for signature parity and ignored.
+    """
+    block_size, head_dim = host_k.shape[-2:]
+    keep = src_block >= 0
+    for host, ws in ((host_k, ws_k), (host_v, ws_v)):
+        src = host[src_block[keep].long().to(host.device), layer, src_head[keep].long().to(host.device)]
+        ws.view(-1, block_size, head_dim)[dst_slot[keep].long().to(ws.device)] = src.to(ws.device, ws.dtype)
+
+
+def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summaries: torch.Tensor,
+                     dst_block: torch.Tensor, dst_head: torch.Tensor,
+                     num_tokens: torch.Tensor | None = None) -> None:
+    """Element-wise max (row 0) and min (row 1) over the tokens of ``src[idx0[i], idx1[i]]`` (``[B, D]``)
+    into ``summaries[dst_block[i], dst_head[i]]``, as ``block_minmax``; items with a negative
+    ``dst_block`` (or ``num_tokens[i] == 0``) are skipped; only the first ``num_tokens[i]`` tokens count
+    when given. src and summaries may live on different devices.
+    """
+    block_size = src.shape[2]
+    keep = dst_block >= 0
+    if num_tokens is not None:
+        keep &= num_tokens > 0
+    blocks = src[idx0[keep].long().to(src.device), idx1[keep].long().to(src.device)].float()  # [m, B, D]
+    blocks = blocks.to(summaries.device)
+    if num_tokens is None:
+        hi, lo = blocks.amax(1), blocks.amin(1)
+    else:
+        tok_ok = (torch.arange(block_size, device=blocks.device)
+                  < num_tokens[keep].long().to(blocks.device)[:, None])[..., None]  # [m, B, 1]
+        hi = blocks.masked_fill(~tok_ok, float("-inf")).amax(1)
+        lo = blocks.masked_fill(~tok_ok, float("inf")).amin(1)
+    dst = dst_block[keep].long().to(summaries.device), dst_head[keep].long().to(summaries.device)
+    summaries[dst] = torch.stack([hi, lo], dim=1).to(summaries.dtype)

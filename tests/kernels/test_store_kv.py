@@ -62,6 +62,23 @@ def test_store_kv_casts_and_odd_shapes(fn):
     _check(k, v, k_cache, v_cache, slots, rtol=8e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
+def test_store_kv_into_host_store_layer_view(fn):
+    """Caches that are one layer of the tiered host store ``[blocks, layers, Hk, B, D]`` (block stride
+    layers * Hk * B * D, separate K and V stores): only that layer's written slots change."""
+    num_layers, layer = 3, 1
+    k, v, _, _, slots = _inputs(10, 2, 32, 4, 16, torch.bfloat16, torch.bfloat16, torch.int32, seed=2)
+    host_k = torch.full((4, num_layers, 2, 16, 32), float("nan"), dtype=torch.bfloat16)
+    host_v = torch.full_like(host_k, float("nan"))
+    k_view, v_view = host_k[:, layer], host_v[:, layer]
+    assert not k_view.is_contiguous() and k_view.stride(0) == num_layers * 2 * 16 * 32
+    fn(k, v, k_view, v_view, slots)
+    _check(k, v, k_view, v_view, slots)
+    for other in range(num_layers):
+        if other != layer:
+            assert host_k[:, other].isnan().all() and host_v[:, other].isnan().all()
+
+
 def test_store_kv_all_padding_and_empty():
     k, v, k_cache, v_cache, slots = _inputs(4, 2, 16, 2, 16, torch.float32, torch.float32, torch.int64)
     store_kv(k, v, k_cache, v_cache, torch.full_like(slots, -1))
@@ -79,3 +96,16 @@ def test_store_kv_gpu(cuda_device):
     torch.cuda.synchronize()
     torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_store_kv_gpu_into_pinned_host_layer_view(cuda_device):
+    """The kernel on CUDA writes straight into one layer of a pinned host store (UVA)."""
+    k, v, _, _, slots = _inputs(512, 8, 128, 64, 16, torch.bfloat16, torch.bfloat16, torch.int64,
+                                device=cuda_device, seed=3)
+    host_k = torch.full((64, 4, 8, 16, 128), float("nan"), dtype=torch.bfloat16).pin_memory()
+    host_v = torch.full_like(host_k, float("nan")).pin_memory()
+    store_kv(k, v, host_k[:, 2], host_v[:, 2], slots)
+    torch.cuda.synchronize()
+    _check(k.cpu(), v.cpu(), host_k[:, 2], host_v[:, 2], slots.cpu())
+    assert host_k[:, :2].isnan().all() and host_k[:, 3].isnan().all() and host_v[:, 3].isnan().all()

@@ -1,0 +1,150 @@
+"""Host -> HBM gather bandwidth of ``gather_blocks`` reading pinned memory through UVA (GPU only).
+
+Run ``python -m oasiskv.bench.uva_gather``. Conditions: a 2 GiB pinned host store in the tiered layout
+``[num_host_blocks, num_layers, Hk, B, D]`` per K and V (bf16, Hk 8, B 16, D 128: 4 KiB per slice), one
+gather of 65,536 random slices (32,768 random (block, kv head) items of one layer, K and V each) into a
+working set, for each bound on the grid (``num_programs`` 16, 32, 64, 132, and one program per item
+for contrast). Times are medians of CUDA-event timings. GB/s counts bytes read from the host; they
+are printed next to the PCIe Gen5 x16 limit (~55 GB/s for one large cudaMemcpy on the H200 here) and
+next to a large pinned -> device ``copy_`` measured in the same run. Overlap: a foreground bf16 matmul
+loop on the current stream (sized to about the gather's time), the gather alone on a side stream, and
+both launched together; overlap = (fg + gather - both) / min(fg, gather), 1 = fully hidden, 0 = serial.
+Prints a table, then one JSON line. Expected well under a minute on an H200 (mostly pinning and
+filling the store).
+"""
+import json
+import statistics
+import sys
+
+import torch
+
+NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM = 4, 8, 16, 128
+DTYPE = torch.bfloat16
+HOST_GIB = 2.0            # K and V stores together
+NUM_ITEMS = 32768         # (block, kv head) items per gather: 65,536 slices with K and V
+PROGRAMS = (16, 32, 64, 132)
+PCIE_LIMIT_GBPS = 55.0    # one large cudaMemcpy, PCIe Gen5 x16 (docs: DESIGN section 3.7)
+REPS = 10
+
+
+def _median_ms(fn, stream: torch.cuda.Stream, reps: int = REPS) -> float:
+    """Median over ``reps`` of ``fn`` timed with CUDA events on ``stream`` (one warm-up call first)."""
+    with torch.cuda.stream(stream):
+        fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn()
+            end.record(stream)
+            times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def _together_ms(foreground, background, side: torch.cuda.Stream, reps: int = REPS) -> float:
+    """Median time from launching ``background`` on ``side`` and ``foreground`` on the current stream
+    until both are done."""
+    main = torch.cuda.current_stream()
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(main)
+        side.wait_event(start)
+        with torch.cuda.stream(side):
+            background()
+        foreground()
+        main.wait_stream(side)
+        end.record(main)
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times[1:])
+
+
+def _host_store():
+    per_block = NUM_LAYERS * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * DTYPE.itemsize
+    num_blocks = int(HOST_GIB * 2**30 / 2 / per_block)
+    shape = (num_blocks, NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    host_k = torch.empty(shape, dtype=DTYPE, pin_memory=True)
+    host_v = torch.empty(shape, dtype=DTYPE, pin_memory=True)
+    for host in (host_k, host_v):  # finite bf16 bit patterns in [0, 2): no NaN, exact to compare
+        host.view(torch.int16).random_(0, 0x4000)
+    return host_k, host_v
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("oasiskv.bench.uva_gather needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from oasiskv.kernels.uva_gather import gather_blocks
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    host_k, host_v = _host_store()
+    num_blocks, layer = host_k.shape[0], 1
+    slots_per_seq = NUM_KV_HEADS * 129  # K = 128 resident slots + the local one
+    num_seqs = -(-NUM_ITEMS // slots_per_seq)
+    ws_shape = (num_seqs, NUM_KV_HEADS, 129, BLOCK_SIZE, HEAD_DIM)
+    ws_k = torch.zeros(ws_shape, dtype=DTYPE, device=dev)
+    ws_v = torch.zeros_like(ws_k)
+    src_block = torch.randint(num_blocks, (NUM_ITEMS,), generator=gen, dtype=torch.int32).to(dev)
+    src_head = torch.randint(NUM_KV_HEADS, (NUM_ITEMS,), generator=gen, dtype=torch.int32).to(dev)
+    dst_slot = torch.randperm(num_seqs * slots_per_seq, generator=gen)[:NUM_ITEMS].to(torch.int32).to(dev)
+    slice_bytes = BLOCK_SIZE * HEAD_DIM * DTYPE.itemsize
+    moved = 2 * NUM_ITEMS * slice_bytes
+
+    side = torch.cuda.Stream()
+    main_stream = torch.cuda.current_stream()
+    big = torch.empty(host_k.shape, dtype=DTYPE, device=dev)
+    copy_ms = _median_ms(lambda: big.copy_(host_k, non_blocking=True), main_stream, reps=5)
+    copy_gbps = host_k.numel() * host_k.element_size() / copy_ms / 1e6
+    del big
+
+    a = torch.randn(4096, 4096, device=dev, dtype=DTYPE)
+    b = torch.randn_like(a)
+    c = torch.empty_like(a)
+    mm_ms = _median_ms(lambda: torch.mm(a, b, out=c), main_stream)
+
+    def gather(programs):
+        return lambda: gather_blocks(host_k, host_v, layer, ws_k, ws_v, src_block, src_head, dst_slot,
+                                     num_programs=programs)
+
+    name = torch.cuda.get_device_name()
+    print(f"uva gather on {name}: {2 * NUM_ITEMS:,} random slices x {slice_bytes // 1024} KiB "
+          f"({NUM_ITEMS:,} (block, kv head) items, K and V) = {moved / 2**20:.0f} MiB per gather; host store "
+          f"{2 * host_k.numel() * host_k.element_size() / 2**30:.1f} GiB pinned, bf16, Hk {NUM_KV_HEADS}, "
+          f"B {BLOCK_SIZE}, D {HEAD_DIM}")
+    print(f"pinned -> device copy_ of {host_k.numel() * host_k.element_size() / 2**30:.1f} GiB: "
+          f"{copy_gbps:.1f} GB/s (PCIe Gen5 x16 limit ~{PCIE_LIMIT_GBPS:.0f} GB/s)")
+    print(f"{'programs':>8} {'gather ms':>9} {'GB/s':>6} {'%PCIe':>6} {'%copy_':>6} {'fg ms':>7} {'both ms':>8} "
+          f"{'overlap':>7}")
+    rows = []
+    for programs in PROGRAMS + (NUM_ITEMS,):
+        fn = gather(programs)
+        ms = _median_ms(fn, side)
+        reps = max(1, round(ms / mm_ms))
+        foreground = lambda reps=reps: [torch.mm(a, b, out=c) for _ in range(reps)]  # noqa: E731
+        fg_ms = _median_ms(foreground, main_stream)
+        both_ms = _together_ms(foreground, fn, side)
+        overlap = (fg_ms + ms - both_ms) / min(fg_ms, ms)
+        gbps = moved / ms / 1e6
+        rows.append({"num_programs": programs, "gather_ms": ms, "gbps": gbps, "fg_ms": fg_ms,
+                     "both_ms": both_ms, "overlap": overlap})
+        label = f"{programs}" if programs != NUM_ITEMS else f"{programs}*"
+        print(f"{label:>8} {ms:>9.3f} {gbps:>6.1f} {100 * gbps / PCIE_LIMIT_GBPS:>5.0f}% "
+              f"{100 * gbps / copy_gbps:>5.0f}% {fg_ms:>7.3f} {both_ms:>8.3f} {overlap:>7.2f}", flush=True)
+    print("* one program per item (the unbounded grid the persistent kernel replaces)")
+
+    # The last gather's result must equal torch indexing of the host store (bit-exact).
+    check = slice(0, 512)
+    want = host_k[src_block[check].long().cpu(), layer, src_head[check].long().cpu()]
+    got = ws_k.view(-1, BLOCK_SIZE, HEAD_DIM)[dst_slot[check].long()].cpu()
+    correct = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+    print(f"correct: {correct}")
+    print(json.dumps({"bench": "uva_gather", "device": name, "dtype": "bfloat16", "num_kv_heads": NUM_KV_HEADS,
+                      "block_size": BLOCK_SIZE, "head_dim": HEAD_DIM, "slices": 2 * NUM_ITEMS,
+                      "bytes_per_gather": moved, "copy_gbps": copy_gbps, "pcie_limit_gbps": PCIE_LIMIT_GBPS,
+                      "matmul_ms": mm_ms, "correct": correct, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()

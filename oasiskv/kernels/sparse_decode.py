@@ -1,0 +1,198 @@
+"""Triton split-K decode attention over per-head working sets: the sparse (tiered-KV) decode path
+(``sparse_decode_attention``).
+
+Working set of one layer, per K and V: ``[S, Hk, W, B, D]`` (S sequence slots, W = K + 1 block slots
+per (sequence, kv head), B tokens per block). ``ws_map`` int32 ``[S, Hk, W]`` names the logical block
+held by each slot (-1 = empty); heads of one sequence may hold different blocks. Slot W-1 is the
+*local block* (the sequence's last, still filling block): it is read up to each row's ``local_lens``
+whatever ``ws_map`` says for it. Slots ``j < W-1`` are read in full when ``ws_map >= 0``. Keys carry
+RoPE already, so the order of the slots does not matter and no positions are needed. Several rows may
+share one sequence slot with different local lengths (the real token and its draft row).
+
+Kernel 1 (``_sparse_split_kernel``), grid ``(N, Hk, num_splits)``: a program owns the G query heads of
+one kv head of one row (padded to 16 rows for ``tl.dot``) and a run of ``slots_per_split`` slots; it runs
+an online softmax in fp32 over the valid tokens of its slots, ``SLOTS_PER_ITER`` slots per iteration.
+With one split it writes the normalized output; with several it writes a partial (max, sum of exps,
+unnormalized accumulator; neutral -inf/0/0 when the split holds no valid token) and the reduce kernel of
+``paged_decode`` (same workspace layout) merges them. Grid and workspace depend only on shapes: the call
+is CUDA-graph capturable and never syncs the host.
+
+Does not know: which blocks a slot holds or when they arrived (``kv/`` owns residency; a slot must be
+readable, i.e. its copy complete, before this kernel runs on the stream).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from oasiskv.kernels.paged_decode import _decode_reduce_kernel, _wave_size, default_num_splits
+
+_LOG2E = 1.4426950408889634
+# 64 KV tokens per inner-loop iteration (4 slots at B=16), as paged_decode; 4 warps (``_wave_size`` in
+# paged_decode assumes 4), 2 stages. Untuned: check on the H200 (see tests/kernels/test_sparse_kernels.py).
+_TOKENS_PER_ITER = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+_DEFAULT_WAVE = 512
+
+
+@triton.jit
+def _sparse_split_kernel(
+    q_ptr, ws_k_ptr, ws_v_ptr, ws_map_ptr, seq_slots_ptr, local_lens_ptr,
+    out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
+    qk_scale, slots_per_split, num_splits, num_slots,
+    stride_qn, stride_qh, stride_on, stride_oh,
+    stride_ks, stride_kh, stride_kw, stride_kt,
+    stride_vs, stride_vh, stride_vw, stride_vt,
+    stride_ms, stride_mh,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over the slots of split ``pid(2)``.
+
+    ``qk_scale`` is ``scale * log2(e)`` (scores in the log2 domain). Workspace (not DIRECT): m/l
+    ``[N, Hq, num_splits]``, acc ``[N, Hq, num_splits, HEAD_DIM]``.
+    """
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    TILE: tl.constexpr = BLOCK_SIZE * SLOTS_PER_ITER
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, TILE)
+    tile_slot = offs_t // BLOCK_SIZE
+    tile_off = offs_t % BLOCK_SIZE
+    q_heads = kv_head * G + offs_g
+    g_mask = offs_g < G
+
+    q = tl.load(q_ptr + row * stride_qn + q_heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0).to(tl.float32)
+
+    seq = tl.load(seq_slots_ptr + row)
+    local_len = tl.load(local_lens_ptr + row)
+    local_slot = num_slots - 1
+    slot_start = split * slots_per_split
+    slot_end = tl.minimum(slot_start + slots_per_split, num_slots)
+    slot_end = tl.where(seq >= 0, slot_end, slot_start)  # padding row: nothing to read
+    seq64 = tl.maximum(seq, 0).to(tl.int64)
+    map_row = ws_map_ptr + seq64 * stride_ms + kv_head * stride_mh
+    k_head = ws_k_ptr + seq64 * stride_ks + kv_head * stride_kh
+    v_head = ws_v_ptr + seq64 * stride_vs + kv_head * stride_vh
+    # Per-token offset inside a slot, K transposed ([HEAD_DIM, TILE]) so it loads straight as K^T.
+    kt_in_slot = tile_off[None, :] * stride_kt + offs_d[:, None]
+    v_in_slot = tile_off[:, None] * stride_vt + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for slot0 in range(slot_start, slot_end, SLOTS_PER_ITER):
+        slot = slot0 + tile_slot
+        in_run = slot < slot_end
+        held = tl.load(map_row + slot, mask=in_run & (slot < local_slot), other=-1)
+        valid = in_run & tl.where(slot == local_slot, tile_off < local_len, held >= 0)
+        slot64 = slot.to(tl.int64)
+
+        kt = tl.load(k_head + (slot64 * stride_kw)[None, :] + kt_in_slot, mask=valid[None, :], other=0.0)
+        s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A tile may hold no valid token (empty slots): keep exp2 away from (-inf) - (-inf).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if DIRECT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row * stride_on + q_heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        ws = (row * tl.num_programs(1) * G + q_heads) * num_splits + split
+        tl.store(m_ws_ptr + ws, m_i, mask=g_mask)
+        tl.store(l_ws_ptr + ws, l_i, mask=g_mask)
+        tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+_waves: dict[tuple, int] = {}
+
+
+def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor, ws_map: torch.Tensor,
+                            seq_slots: torch.Tensor, local_lens: torch.Tensor, scale: float,
+                            out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention of one query token per row over its sequence's working set; returns ``out``.
+
+    q: ``[N, Hq, D]`` (last-dim stride 1), Hq = G * Hk; query head h attends kv head ``h // G``.
+    ws_k, ws_v: ``[S, Hk, W, B, D]``, same shape and dtype, last two dims contiguous (other strides
+    free, e.g. one layer of a ``[L, S, Hk, W, B, D]`` buffer); D and B powers of two >= 16.
+    ws_map: int32 ``[S, Hk, W]`` (last-dim stride 1), block held by each slot, -1 = empty; only entries
+    ``j < W-1`` are read. seq_slots: int32 ``[N]``, the sequence slot of each row, -1 = padding row.
+    local_lens: int32 ``[N]`` in ``0..B``, tokens of the local slot W-1 this row attends. Row n, kv
+    head h attends every token of slots ``j < W-1`` with ``ws_map[s, h, j] >= 0`` plus the first
+    ``local_lens[n]`` tokens of slot W-1; no other entry of ws_k/ws_v is read. Padding rows and rows
+    with nothing to attend get zeros. scale: softmax scale. out: optional ``[N, Hq, D]`` target (last-dim
+    stride 1), else allocated with q's dtype. num_splits: split-K factor over the W slots (default from
+    ``paged_decode.default_num_splits`` with the measured wave size); each split covers whole
+    iterations of slots, splits past the last slot write neutral partials. Math is fp32 with K/V
+    upcast; dots as tf32 for 16-bit inputs, IEEE fp32 when q or the working set is fp32.
+    No host sync; CUDA-graph capturable (grid and workspace depend on shapes only).
+    """
+    n, num_q_heads, head_dim = q.shape
+    num_seqs, num_kv_heads, num_slots, block_size, cache_dim = ws_k.shape
+    assert ws_v.shape == ws_k.shape and ws_v.dtype == ws_k.dtype
+    assert cache_dim == head_dim and num_q_heads % num_kv_heads == 0, (
+        f"q {tuple(q.shape)} does not fit working set {tuple(ws_k.shape)}")
+    for ws in (ws_k, ws_v):
+        assert ws.stride(4) == 1 and ws.stride(3) == head_dim, "working set: last two dims must be contiguous"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
+    assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
+    assert num_slots >= 1 and ws_map.shape == (num_seqs, num_kv_heads, num_slots) and ws_map.stride(2) == 1
+    assert seq_slots.shape == (n,) and local_lens.shape == (n,) and q.stride(2) == 1
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(2) == 1
+    if n == 0:
+        return out
+
+    group = num_q_heads // num_kv_heads
+    slots_per_iter = max(1, _TOKENS_PER_ITER // block_size)
+    key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group)
+    if num_splits is None:
+        num_splits = default_num_splits(n, num_kv_heads, num_slots, block_size, _waves.get(key, _DEFAULT_WAVE))
+    assert num_splits >= 1
+    slots_per_split = triton.cdiv(triton.cdiv(num_slots, num_splits), slots_per_iter) * slots_per_iter
+    direct = num_splits == 1
+    if direct:  # the workspace arguments are unused: pass ``out`` as a placeholder
+        m_ws = l_ws = acc_ws = out
+    else:
+        m_ws = torch.empty((n, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        l_ws = torch.empty_like(m_ws)
+        acc_ws = torch.empty((n, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    fp32 = torch.float32 in (q.dtype, ws_k.dtype)
+
+    compiled = _sparse_split_kernel[(n, num_kv_heads, num_splits)](
+        q, ws_k, ws_v, ws_map, seq_slots, local_lens,
+        out, m_ws, l_ws, acc_ws,
+        scale * _LOG2E, slots_per_split, num_splits, num_slots,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        ws_k.stride(0), ws_k.stride(1), ws_k.stride(2), ws_k.stride(3),
+        ws_v.stride(0), ws_v.stride(1), ws_v.stride(2), ws_v.stride(3),
+        ws_map.stride(0), ws_map.stride(1),
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
+        DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    if key not in _waves and q.is_cuda:
+        _waves[key] = _wave_size(compiled, q.device) or _DEFAULT_WAVE
+    if not direct:
+        _decode_reduce_kernel[(n, num_q_heads)](
+            m_ws, l_ws, acc_ws, out,
+            num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
