@@ -1,4 +1,4 @@
-"""Command line: ``oasiskv generate | serve | bench``. Engine flags come from ``EngineConfig``'s fields."""
+"""Command line: ``oasiskv generate | serve | bench | eval``. Engine flags come from ``EngineConfig``'s fields."""
 from __future__ import annotations
 
 import argparse
@@ -59,6 +59,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from oasiskv.bench.fidelity import run_from_args
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oasiskv", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -92,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="decode throughput sweep (context x concurrency x output length)")
     add_bench_flags(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from oasiskv.bench.fidelity import add_eval_flags
+    ev = sub.add_parser("eval", help="fidelity of tiered (oasis) decode vs dense: loss and top-1 agreement")
+    add_eval_flags(ev)
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

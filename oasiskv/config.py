@@ -138,6 +138,15 @@ class EngineConfig:
     max_graph_batch: int = _opt(256, "largest decode batch captured in a CUDA graph")
     seed: int = _opt(0, "seed for random sampling of requests without their own seed")
     load_format: str = _opt("auto", "auto (safetensors) or dummy (random weights, for benchmarks)")
+    # ---- tiered KV (kv_mode=oasis) ----
+    kv_mode: str = _opt("dense", "dense (paged KV in HBM) or oasis (full KV in host memory, per-head working "
+                        "sets of topk_blocks blocks in HBM)")
+    topk_blocks: int = _opt(128, "oasis: K, resident blocks per (sequence, layer, kv-head) besides the local block")
+    fetch_ratio: float = _opt(0.05, "oasis: f_HBM, at most ceil(f*K) new blocks per head per layer per step "
+                              "after seeding (1.0 = no cap)")
+    host_kv_gib: float = _opt(0.0, "oasis: host store size in GiB (pinned on CUDA); 0 = 4 GiB, a setting, "
+                              "never read from MemTotal")
+    score_alpha: float = _opt(1.0, "oasis: alpha in score = q.c + alpha*|q|.r over block min/max summaries")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):
@@ -151,6 +160,10 @@ class EngineConfig:
             raise ValueError("max_model_len and num_kv_blocks must be >= 0")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.kv_mode not in ("dense", "oasis"):
+            raise ValueError(f"kv_mode must be dense or oasis, got {self.kv_mode!r}")
+        if self.topk_blocks < 1 or not 0.0 < self.fetch_ratio <= 1.0 or self.host_kv_gib < 0:
+            raise ValueError("topk_blocks must be >= 1, fetch_ratio in (0, 1], host_kv_gib >= 0")
         parse_dtype(self.dtype)
 
     @classmethod

@@ -94,13 +94,30 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
+        """One step: forward, then sample the next token of every sequence whose tokens are all computed."""
+        return self._sample(batch, self.forward(batch))
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the model over the batch's new tokens -> final hidden states ``[T, hidden]``."""
         fb = self._prepare(batch)
         if not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch)):
-            hidden = self.graphs.run(fb)
-        else:
-            with forward_context(fb, self.backend):
-                hidden = self.model(fb.input_ids, fb.positions)
-        return self._sample(batch, fb, hidden)
+            return self.graphs.run(fb)
+        with forward_context(fb, self.backend):
+            return self.model(fb.input_ids, fb.positions)
+
+    @torch.inference_mode()
+    def next_token_logits(self, batch: ScheduledBatch, hidden: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences that get a next token this step and their logits ``[n, vocab]`` (float32)."""
+        rows, seqs, end = [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            end += n
+            if seq.num_computed_tokens + n == len(seq):
+                rows.append(end - 1)
+                seqs.append(seq)
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
+        return seqs, self.model.compute_logits(hidden)
 
     def _to_device(self, data, dtype) -> torch.Tensor:
         """Host list / array -> device tensor through pinned memory and a non-blocking copy (CUDA)."""
@@ -129,23 +146,13 @@ class ModelRunner:
                             self._to_device([s.kv_slot for s in batch.seqs], torch.int32),
                             [s.num_computed_tokens + n == len(s) for s, n in zip(batch.seqs, batch.num_tokens)])
 
-    def _sample(self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor) -> StepResult:
-        rows, sampled_seqs, ends = [], [], []
-        end = 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            end += n
-            ends.append(end)
-            if seq.num_computed_tokens + n == len(seq):
-                rows.append(end - 1)
-                sampled_seqs.append(seq)
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> StepResult:
         result = StepResult([None] * len(batch), [None] * len(batch), [[] for _ in batch.seqs])
         if batch.is_prefill:
-            self._prompt_logprobs(batch, hidden, ends, result)
-        if not rows:
+            self._prompt_logprobs(batch, hidden, result)
+        sampled_seqs, logits = self.next_token_logits(batch, hidden)
+        if not sampled_seqs:
             return result
-        if len(rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=hidden.device)]
-        logits = self.model.compute_logits(hidden)
         out = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
         tokens = out.tokens.tolist()
         lps = _logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs) if out.top_ids is not None else None
@@ -159,8 +166,9 @@ class ModelRunner:
                 result.logprobs[i] = TokenLogprobs(tokens[j], lp, list(zip(top_ids[:n], top_lps[:n])))
         return result
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, ends: list[int], result: StepResult):
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult):
         """Logprobs of prompt tokens this chunk predicts: row p scores token p + 1."""
+        ends = np.cumsum(batch.num_tokens).tolist()
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             want = seq.params.prompt_logprobs
             start = seq.num_computed_tokens

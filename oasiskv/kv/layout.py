@@ -1,0 +1,55 @@
+"""TieredLayout: the shapes and byte sizes every tiered-KV structure derives from.
+
+Host store, per K and V: ``[num_host_blocks, num_layers, Hk, B, D]`` (one (block, layer, kv-head)
+slice of B*D elements is contiguous: the unit copied to HBM). Working set, per layer and K/V:
+``[num_seq_slots, Hk, W, B, D]`` with W = K + 1 (slot W-1 is the local block). Summaries, per layer:
+``[num_host_blocks, Hk, 2, D]`` (element-wise max, then min, of a block's post-RoPE keys).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TieredLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    topk_blocks: int          # K
+    dtype: torch.dtype
+
+    @property
+    def slots(self) -> int:
+        """W = K resident blocks + the local block."""
+        return self.topk_blocks + 1
+
+    @property
+    def local_slot(self) -> int:
+        return self.topk_blocks
+
+    @property
+    def slice_bytes(self) -> int:
+        """One (block, layer, kv-head) slice of K or V."""
+        return self.block_size * self.head_dim * self.dtype.itemsize
+
+    @property
+    def host_block_bytes(self) -> int:
+        """K and V of one block over all layers and heads."""
+        return 2 * self.num_layers * self.num_kv_heads * self.slice_bytes
+
+    @property
+    def working_set_bytes(self) -> int:
+        """HBM one sequence's working sets take (all layers, K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.slots * self.slice_bytes
+
+    @property
+    def summary_bytes_per_block(self) -> int:
+        return self.num_layers * self.num_kv_heads * 2 * self.head_dim * self.dtype.itemsize
+
+    def fetch_cap(self, fetch_ratio: float) -> int:
+        """Most new blocks one head may admit per layer per step: ceil(f_HBM * K)."""
+        return max(1, math.ceil(fetch_ratio * self.topk_blocks - 1e-9))

@@ -1,0 +1,84 @@
+"""WorkingSet: the HBM part of tiered KV. Per (sequence slot, layer, kv-head): K resident block slots
+plus the local block, and the head-wise mapping from slot to the sequence's logical block.
+
+Per layer: ``k``/``v`` ``[S, Hk, W, B, D]`` (W = K + 1; slot W-1 is the local block, always resident,
+never evicted), ``map`` int32 ``[S, Hk, W]`` logical block held by each slot (-1 empty; the local slot's
+entry stays -1: its length comes from the sequence's position), ``last`` int64 ``[S, Hk, K]`` the step
+each slot was last selected (the LRU key). Heads of one layer hold different blocks.
+
+Invariants: a slot's contents are readable only after the copy that filled it (on one stream, stream
+order guarantees it); a logical block appears at most once per (sequence, layer, head).
+"""
+from __future__ import annotations
+
+import torch
+
+from oasiskv.kernels.dispatch import kernel
+from oasiskv.kv.host_store import HostStore
+from oasiskv.kv.layout import TieredLayout
+from oasiskv.kv.selection import Selection, plan_selection
+
+
+class WorkingSet:
+    def __init__(self, layout: TieredLayout, num_slots: int, device: torch.device):
+        self.layout, self.num_slots = layout, num_slots
+        L, H, W, B, D = layout.num_layers, layout.num_kv_heads, layout.slots, layout.block_size, layout.head_dim
+        self.k = [torch.zeros((num_slots, H, W, B, D), dtype=layout.dtype, device=device) for _ in range(L)]
+        self.v = [torch.zeros_like(self.k[0]) for _ in range(L)]
+        self.map = [torch.full((num_slots, H, W), -1, dtype=torch.int32, device=device) for _ in range(L)]
+        self.last = [torch.zeros((num_slots, H, layout.topk_blocks), dtype=torch.long, device=device)
+                     for _ in range(L)]
+        self._heads = torch.arange(H, device=device)
+        self._gather = kernel("gather_blocks", device.type == "cuda")
+
+    def local(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[S, Hk, B, D]`` of every slot's local block at ``layer``."""
+        w = self.layout.local_slot
+        return self.k[layer][:, :, w], self.v[layer][:, :, w]
+
+    def reset(self, layer: int, slots: torch.Tensor) -> None:
+        """Forget what ``slots`` held at ``layer`` (a sequence is being seeded)."""
+        self.map[layer][slots] = -1
+        self.last[layer][slots] = 0
+
+    def select_and_fetch(self, layer: int, host: HostStore, slots: torch.Tensor, block_tables: torch.Tensor,
+                         scores: torch.Tensor, cap: int, now: int) -> Selection:
+        """Apply a selection for rows ``slots`` ``[N]`` from ``scores`` ``[N, Hk, M]`` and copy the admitted
+        blocks' slices from the host store into their slots."""
+        K = self.layout.topk_blocks
+        ws_map = self.map[layer][slots, :, :K]
+        ws_last = self.last[layer][slots]
+        sel = plan_selection(scores, ws_map, ws_last, K, cap, now)
+        self.map[layer][slots, :, :K] = ws_map
+        self.last[layer][slots] = ws_last
+        host_ids = block_tables.long().gather(1, sel.src_block.clamp(min=0).flatten(1)).view_as(sel.src_block)
+        self.fetch(layer, host, slots, torch.where(sel.src_block >= 0, host_ids, -1), sel.dst_slot)
+        return sel
+
+    def fetch(self, layer: int, host: HostStore, slots: torch.Tensor, host_blocks: torch.Tensor,
+              dst_slots: torch.Tensor) -> None:
+        """Copy host blocks ``host_blocks`` ``[N, Hk, X]`` (-1 = skip) of head h into working-set slot
+        ``dst_slots[n, h, x]`` of sequence slot ``slots[n]``."""
+        n, heads, x = host_blocks.shape
+        head = self._heads.view(1, heads, 1).expand(n, heads, x)
+        flat_dst = (slots.long().view(n, 1, 1) * heads + head) * self.layout.slots + dst_slots.clamp(min=0)
+        self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], host_blocks.flatten(),
+                     head.flatten(), flat_dst.flatten())
+
+    def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor, block: torch.Tensor,
+                      now: int) -> None:
+        """Rows ``done`` ``[N]`` completed their local block (logical index ``block`` ``[N]``): per head it
+        moves into an empty slot, else the least recently selected one (the paper's rule for newly
+        generated blocks; no fetch, so no cap)."""
+        K, local = self.layout.topk_blocks, self.layout.local_slot
+        ws_map, ws_last = self.map[layer][slots, :, :K], self.last[layer][slots]
+        key = torch.where(ws_map < 0, torch.full_like(ws_last, torch.iinfo(torch.int64).min), ws_last)
+        victim = key.argmin(dim=-1)                                        # [N, Hk]
+        dst = torch.where(done[:, None], victim, local)                    # not done: copy onto itself
+        rows, heads = slots.long()[:, None], self._heads[None, :]
+        for cache in (self.k[layer], self.v[layer]):
+            cache[rows, heads, dst] = cache[rows, heads, local]
+        new_map = ws_map.scatter(-1, victim[..., None], block.to(ws_map.dtype).view(-1, 1, 1).expand(-1, ws_map.shape[1], 1))
+        new_last = ws_last.scatter(-1, victim[..., None], now)
+        self.map[layer][slots, :, :K] = torch.where(done[:, None, None], new_map, ws_map)
+        self.last[layer][slots] = torch.where(done[:, None, None], new_last, ws_last)

@@ -1,0 +1,149 @@
+"""Tiered KV (kv_mode=oasis): equivalence with dense decode when K covers every block and nothing is
+capped; cap / LRU / mapping invariants during real runs; no leaked host block; admission by both budgets."""
+import random
+
+import pytest
+import torch
+
+from oasiskv import LLM, SamplingParams
+from tests.helpers import write_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def prompts(n, vocab=320, lo=20, hi=200, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tiny(request, tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def dense_tokens(path, batch, params=GREEDY):
+    return [o.token_ids for o in LLM(str(path), num_kv_blocks=512).generate(batch, params)]
+
+
+@pytest.mark.parametrize("engine_kw", [
+    dict(),
+    dict(max_num_batched_tokens=48),       # chunked prefill: later chunks read their prefix from the host store
+    dict(host_kv_gib=0.0004, max_num_seqs=8),  # host store too small for all at once: queueing + preemption
+], ids=["plain", "chunked-prefill", "tight-host-store"])
+def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw):
+    batch = prompts(5, seed=1)
+    kw = dict(kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01) | engine_kw
+    llm = LLM(str(tiny), **kw)
+    assert [o.token_ids for o in llm.generate(batch, GREEDY)] == dense_tokens(tiny, batch)
+    alloc = llm.engine.allocator
+    alloc.check_invariants([])
+    assert alloc.num_free_blocks == alloc.num_total_blocks
+
+
+def test_fixture_target_oasis_equals_dense(fixtures_path):
+    import json
+    target = str(fixtures_path / "target")
+    text = "\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"][:3])
+    dense = LLM(target, dtype="float32", num_kv_blocks=256)
+    prompt = dense.engine.encode(text)[:700]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    want = dense.generate([prompt], params)[0].token_ids
+    oasis = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.05)
+    assert oasis.generate([prompt], params)[0].token_ids == want
+
+
+def check_working_sets(engine):
+    """Every running sequence's per-(layer, head) mapping holds distinct, existing blocks."""
+    backend = engine.runner.backend
+    K = backend.layout.topk_blocks
+    for seq in engine.scheduler.running:
+        if seq.in_prefill or seq.kv_slot < 0:
+            continue
+        complete = (len(seq) - 1) // backend.layout.block_size
+        for layer in range(backend.layout.num_layers):
+            for blocks in backend.ws.map[layer][seq.kv_slot, :, :K].tolist():
+                held = [b for b in blocks if b >= 0]
+                assert len(held) == len(set(held)) and all(b < complete + 1 for b in held)
+            assert (backend.ws.map[layer][seq.kv_slot, :, K] == -1).all(), "local slot is never mapped"
+
+
+def test_cap_and_mapping_invariants_during_a_run(tiny):
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01)
+    engine, backend = llm.engine, llm.engine.runner.backend
+    assert backend.cap == 2  # ceil(0.34 * 3)
+    for p in prompts(4, lo=60, hi=160, seed=2):
+        engine.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    fetched_total = deferred_total = 0
+    while engine.has_unfinished():
+        engine.step()
+        stats = engine.stats.kv
+        if not engine.stats.last_step_prefill:
+            layers, heads = backend.layout.num_layers, backend.layout.num_kv_heads
+            assert stats["fetched_blocks"] <= backend.cap * heads * layers * stats["decode_rows"]
+            assert stats["hits"] + stats["misses"] <= 3 * heads * layers * stats["decode_rows"]
+            fetched_total += stats["fetched_blocks"]
+            deferred_total += stats["deferred"]
+        check_working_sets(engine)
+    assert fetched_total > 0 and deferred_total > 0, "the run must exercise fetches and the cap"
+    engine.allocator.check_invariants([])
+
+
+def test_abort_frees_host_blocks_and_slot(tiny):
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.01)
+    engine = llm.engine
+    rid = engine.add_request(prompts(1, lo=100, hi=101)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.allocator.num_free_blocks < engine.allocator.num_total_blocks
+    engine.abort(rid)
+    engine.allocator.check_invariants([])
+    assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
+
+
+def test_admission_respects_both_budgets(tiny):
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.0004, max_num_seqs=3)
+    engine, backend = llm.engine, llm.engine.runner.backend
+    blocks = engine.allocator.num_total_blocks
+    assert blocks == int(0.0004 * 2**30) // backend.layout.host_block_bytes
+    assert engine.max_model_len == blocks * 16
+    with pytest.raises(ValueError, match="context limit"):
+        engine.add_request([7] * (blocks * 16 + 1), SamplingParams())
+    length = 16 * (blocks // 2 - 1) + 1  # blocks // 2 blocks each: two fit in the host store, three do not
+    for p in prompts(5, lo=length, hi=length + 1, seed=3):
+        engine.add_request(p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        running = engine.scheduler.running
+        peak = max(peak, len(running))
+        assert sum(len(s.block_table) for s in running) <= blocks and len(running) <= 3
+        engine.allocator.check_invariants(running)
+    assert peak == 2, "the host budget, not max_num_seqs, bounded the batch"
+
+
+def test_sampler_and_stats_on_cpu_do_not_need_cuda(tiny):
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=2, fetch_ratio=0.5, host_kv_gib=0.01)
+    out = llm.generate(prompts(2, seed=4), SamplingParams(max_tokens=8, temperature=0.8, seed=3))
+    assert all(len(o.token_ids) == 8 for o in out)
+    assert set(llm.engine.stats.kv) >= {"hits", "misses", "fetched_blocks", "fetched_bytes", "deferred",
+                                        "hit_rate", "host_bytes_in_use", "hbm_bytes_in_use"}
+    assert torch.get_default_device().type == "cpu"
+
+
+def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from oasiskv.models.loader import DEMO_MODEL
+    text = tmp_path / "text.json"
+    text.write_text(json.dumps({"docs": ["def f(x):\n    return x * 2\n" * 120]}))
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval", str(DEMO_MODEL),
+                          "--text", str(text), "--windows", "2", "--window-len", "256", "--last", "24",
+                          "--topk-blocks", "2,16", "--fetch-ratio", "0.5"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    runs = {r["setting"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["runs"]}
+    assert set(runs) == {"dense", "oasis K=2 no cap", "oasis K=2 cap f=0.5", "oasis K=16 no cap",
+                         "oasis K=16 cap f=0.5"}
+    assert runs["oasis K=16 no cap"]["top1_agreement"] == 1.0
+    assert abs(runs["oasis K=16 no cap"]["delta"]) < 1e-4
