@@ -82,6 +82,7 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.T
     assert q.stride(2) == 1 and summaries.stride(3) == 1
     assert block_tables.dim() == 2 and block_tables.shape[0] == n and block_tables.stride(1) == 1
     assert num_blocks.shape == (n,)
+    num_blocks = num_blocks.contiguous()  # 1-D index arrays are read as packed
     max_blocks = block_tables.shape[1]
     if out is None:
         out = torch.empty((n, num_kv_heads, max_blocks), dtype=torch.float32, device=q.device)

@@ -207,6 +207,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
     assert q.stride(2) == 1 and block_tables.stride(1) == 1
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch and context_lens.shape == (batch,)
+    context_lens = context_lens.contiguous()  # 1-D index arrays are read as packed
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(2) == 1

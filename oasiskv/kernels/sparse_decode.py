@@ -152,6 +152,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
     assert num_slots >= 1 and ws_map.shape == (num_seqs, num_kv_heads, num_slots) and ws_map.stride(2) == 1
     assert seq_slots.shape == (n,) and local_lens.shape == (n,) and q.stride(2) == 1
+    seq_slots, local_lens = seq_slots.contiguous(), local_lens.contiguous()  # read as packed arrays
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(2) == 1

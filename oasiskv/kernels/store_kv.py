@@ -53,6 +53,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             f"cache {tuple(cache.shape)} with strides {cache.stride()}: its last two dims must be contiguous")
     assert k.stride(2) == 1 and v.stride(2) == 1, "k/v need last-dim stride 1"
     assert slot_mapping.shape == (n,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    slot_mapping = slot_mapping.contiguous()  # read as a packed array
     if n == 0:
         return
     _store_kv_kernel[(n,)](

@@ -72,6 +72,7 @@ def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summ
     assert summaries.stride(3) == 1
     m = dst_block.shape[0]
     assert idx0.shape == idx1.shape == dst_block.shape == dst_head.shape == (m,)
+    idx0, idx1, dst_block, dst_head = (x.contiguous() for x in (idx0, idx1, dst_block, dst_head))
     assert num_tokens is None or num_tokens.shape == (m,)
     if m == 0:
         return

@@ -79,6 +79,8 @@ def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: 
     for flat in (flat_k, flat_v):
         assert flat.stride(2) == 1 and flat.stride(1) == head_dim, "working set: [B, D] slots must be contiguous"
     m = src_block.shape[0]
+    # index lists are read as packed arrays (an expanded, stride-0 view would be read past its end)
+    src_block, src_head, dst_slot = src_block.contiguous(), src_head.contiguous(), dst_slot.contiguous()
     assert src_block.shape == src_head.shape == dst_slot.shape == (m,)
     assert num_programs >= 1
     if m == 0:

@@ -147,3 +147,20 @@ def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
                          "oasis K=16 cap f=0.5"}
     assert runs["oasis K=16 no cap"]["top1_agreement"] == 1.0
     assert abs(runs["oasis K=16 no cap"]["delta"]) < 1e-4
+
+
+def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch):
+    """The engine's calls into every Triton kernel (interpreter on CPU) give dense decode's tokens:
+    catches argument mismatches (strides, index layouts) that the torch references would forgive."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernels in the Triton interpreter (CPU machines)")
+    import oasiskv.kernels.dispatch as dispatch
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    batch = prompts(2, lo=20, hi=90, seed=5)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = dense_tokens(path, batch, params)
+    real = dispatch.kernel
+    monkeypatch.setattr(dispatch, "kernel", lambda name, cuda: real(name, True))
+    llm = LLM(str(path), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01)
+    assert [o.token_ids for o in llm.generate(batch, params)] == want

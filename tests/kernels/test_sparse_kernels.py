@@ -486,3 +486,20 @@ def test_block_minmax_gpu_pinned_and_device_sources(cuda_device):
         block_minmax_ref(src, idx0, idx1, want, dst_block, idx1)
         torch.cuda.synchronize()
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_gather_blocks_reads_expanded_index_views_correctly():
+    """Index lists may arrive as stride-0 expanded views (one block for every head): the wrapper must
+    not read them as packed arrays."""
+    from oasiskv.kernels.reference import gather_blocks_ref
+    from oasiskv.kernels.uva_gather import gather_blocks
+    host_k, host_v = torch.randn(4, 2, 3, 16, 32), torch.randn(4, 2, 3, 16, 32)
+    got_k, got_v = torch.full((2, 3, 5, 16, 32), float("nan")), torch.full((2, 3, 5, 16, 32), float("nan"))
+    want_k, want_v = got_k.clone(), got_v.clone()
+    src = torch.tensor([2]).expand(3)          # stride 0
+    heads, dst = torch.arange(3), torch.tensor([4, 9, 14])
+    assert src.stride(0) == 0
+    gather_blocks(host_k, host_v, 1, got_k, got_v, src, heads, dst)
+    gather_blocks_ref(host_k, host_v, 1, want_k, want_v, src, heads, dst)
+    torch.testing.assert_close(got_k, want_k, equal_nan=True)
+    torch.testing.assert_close(got_v, want_v, equal_nan=True)
