@@ -39,6 +39,10 @@ class AttentionBackend(ABC):
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Store this step's k/v ``[T, Hk, D]`` and return attention of q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
 
+    @abstractmethod
+    def decode_read_bytes(self, context_lens: list[int]) -> int:
+        """Device bytes one decode step's attention reads for sequences of these lengths (roofline)."""
+
     def step_stats(self) -> dict[str, float]:
         """Counters of the last step for the engine's stats (e.g. blocks fetched); empty by default."""
         return {}

@@ -60,6 +60,9 @@ class DenseBackend(AttentionBackend):
     def max_tokens_per_seq(self) -> int:
         return self.num_blocks * self.block_size
 
+    def decode_read_bytes(self, context_lens: list[int]) -> int:
+        return sum(context_lens) * self.bytes_per_block() // self.block_size
+
     def forward(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if self.k_cache:
             self._store(k, v, self.k_cache[layer], self.v_cache[layer], batch.slot_mapping)

@@ -78,6 +78,18 @@ class SparseBackend(AttentionBackend):
     def max_tokens_per_seq(self) -> int:
         return self.host.num_blocks * self.layout.block_size
 
+    def decode_read_bytes(self, context_lens: list[int]) -> int:
+        """Working-set slots actually attended (at most K full blocks + the local block) plus the summaries
+        of every complete block (scored each step)."""
+        lay, B = self.layout, self.layout.block_size
+        per_token = lay.host_block_bytes // B
+        total = 0
+        for n in context_lens:
+            complete = (n - 1) // B
+            total += (min(complete, lay.topk_blocks) * B + (n - complete * B)) * per_token
+            total += complete * lay.summary_bytes_per_block
+        return total
+
     def step_stats(self) -> dict[str, float]:
         hits, misses, fetched, rows = self._counters.tolist()
         self._counters.zero_()

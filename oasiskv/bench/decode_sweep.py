@@ -36,6 +36,7 @@ class Point:
     tok_s: float = 0.0
     tpot_ms: float = 0.0
     kv_gb_per_step: float = 0.0
+    pcie_gb_s: float = 0.0
     achieved_gb_s: float = 0.0
     roofline: float = 0.0
     note: str = ""
@@ -64,6 +65,10 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                         help="prefill tokens per step; >= the context avoids chunking")
     parser.add_argument("--num-kv-blocks", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-mode", default="dense", help="dense or oasis (tiered KV)")
+    parser.add_argument("--topk-blocks", type=int, default=128, help="oasis: K")
+    parser.add_argument("--fetch-ratio", type=float, default=0.05, help="oasis: f_HBM")
+    parser.add_argument("--host-kv-gib", type=float, default=0.0, help="oasis: host store GiB (0 = 4)")
     parser.add_argument("--plot", default=None, help="write a PNG of tok/s per point here")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -79,7 +84,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                           max_model_len=max(contexts) + max(outputs) + 1,
                           gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                          enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs)
+                          enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs,
+                          kv_mode=args.kv_mode, topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio,
+                          host_kv_gib=args.host_kv_gib)
     points: list[Point] = []
     env = {}
     if "oasiskv" in engines:
@@ -130,6 +137,11 @@ def _environment(engine: LLMEngine) -> dict:
     }
 
 
+def _label(engine: LLMEngine) -> str:
+    c = engine.config
+    return "oasiskv" if c.kv_mode == "dense" else f"oasis-K{c.topk_blocks}"
+
+
 def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
     per_request = -(-(context + output_len) // engine.config.block_size)
     limits = [engine.allocator.num_total_blocks // per_request, engine.config.max_num_seqs]
@@ -140,7 +152,7 @@ def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
 
 def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict, seed: int) -> Point:
     n = max_concurrency(engine, context, output_len) if concurrency == "max" else int(concurrency)
-    point = Point("oasiskv", context, n, output_len)
+    point = Point(_label(engine), context, n, output_len)
     if n > max_concurrency(engine, context, output_len):
         point.note = "does not fit in the KV pool"
         return point
@@ -149,17 +161,17 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for _ in range(n):
         engine.add_request([rng.randrange(1, vocab) for _ in range(context)], params)
-    kv_per_token = engine.model_config.kv_bytes_per_token(engine.runner.dtype)
-    steps, seconds, batch_sum, kv_bytes = 0, 0.0, 0, 0
+    steps, seconds, batch_sum, kv_bytes, fetched = 0, 0.0, 0, 0, 0
     while engine.has_unfinished():
-        context_tokens = sum(len(seq) for seq in engine.scheduler.running)  # what a decode step attends to
+        lens = [len(seq) for seq in engine.scheduler.running]  # what a decode step attends to
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
         s = engine.stats
         if not s.last_step_prefill:
             steps, seconds, batch_sum = steps + 1, seconds + dt, batch_sum + s.last_batch_size
-            kv_bytes += context_tokens * kv_per_token
+            kv_bytes += engine.runner.backend.decode_read_bytes(lens)
+            fetched += s.kv.get("fetched_bytes", 0)
     if steps:
         point.batch = batch_sum / steps
         point.tok_s = batch_sum / seconds
@@ -167,6 +179,7 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.kv_gb_per_step = kv_bytes / steps / 1e9
         point.achieved_gb_s = (env["weights_gb"] + point.kv_gb_per_step) / (seconds / steps)
         point.roofline = point.achieved_gb_s / env["copy_gb_s"]
+        point.pcie_gb_s = fetched / seconds / 1e9
     if engine.stats.num_preemptions:
         point.note = f"{engine.stats.num_preemptions} preemptions so far"
     return point
@@ -176,13 +189,14 @@ def print_table(points: list[Point], env: dict) -> None:
     print(f"\ndevice={env.get('device')} dtype={env.get('dtype')} copy_bw={env.get('copy_gb_s', 0):.0f} GB/s "
           f"weights={env.get('weights_gb', 0):.2f} GB kv_pool_tokens={env.get('kv_pool_tokens')} "
           f"cuda_graphs={env.get('cuda_graphs')}")
-    head = f"{'engine':8} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} {'TPOT ms':>8} " \
-           f"{'KV GB/step':>10} {'GB/s':>8} {'roofline':>8}  note"
+    head = f"{'engine':12} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} {'TPOT ms':>8} " \
+           f"{'KV GB/step':>10} {'GB/s':>8} {'roofline':>8} {'PCIe GB/s':>9}  note"
     print(head)
     print("-" * len(head))
     for p in points:
-        print(f"{p.engine:8} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} {p.tok_s:9.1f} "
-              f"{p.tpot_ms:8.2f} {p.kv_gb_per_step:10.2f} {p.achieved_gb_s:8.0f} {p.roofline:8.2f}  {p.note}")
+        print(f"{p.engine:12} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} {p.tok_s:9.1f} "
+              f"{p.tpot_ms:8.2f} {p.kv_gb_per_step:10.2f} {p.achieved_gb_s:8.0f} {p.roofline:8.2f} "
+              f"{p.pcie_gb_s:9.2f}  {p.note}")
 
 
 def plot(points: list[Point], path: str) -> None:

@@ -46,6 +46,10 @@ class RequestOutput:
     finish_time: float | None = None
 
 
+#: per-step backend counters that also accumulate into ``EngineStats.kv_totals``
+KV_COUNTERS = ("hits", "misses", "fetched_blocks", "fetched_bytes", "deferred")
+
+
 @dataclass
 class EngineStats:
     """Counters and gauges a server exports; updated after every step."""
@@ -60,7 +64,8 @@ class EngineStats:
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
     last_step_prefill: bool = False
-    kv: dict = field(default_factory=dict)  # the backend's per-step counters (tiered KV: fetches, hits, ...)
+    kv: dict = field(default_factory=dict)  # the backend's counters of the last step (tiered KV: fetches, ...)
+    kv_totals: dict = field(default_factory=dict)  # those counters summed over all steps
 
 
 @dataclass
@@ -214,6 +219,9 @@ class LLMEngine:
             s.prompt_tokens_total += sum(batch.num_tokens)
         s.generation_tokens_total += num_sampled
         s.kv = self.runner.backend.step_stats()
+        for key in KV_COUNTERS:
+            if key in s.kv:
+                s.kv_totals[key] = s.kv_totals.get(key, 0) + s.kv[key]
         self._update_queue_stats()
 
     def _update_queue_stats(self) -> None:

@@ -40,6 +40,11 @@ class _EngineCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        # tiered KV (kv_mode=oasis): the last step's gauges and running totals of its counters
+        for key, value in s.kv.items():
+            yield GaugeMetricFamily(f"oasiskv_kv_step_{key}", f"Tiered KV, last decode step: {key}", value=value)
+        for key, value in s.kv_totals.items():
+            yield CounterMetricFamily(f"oasiskv_kv_{key}", f"Tiered KV, all steps: {key}", value=value)
 
 
 class Metrics:

@@ -164,3 +164,17 @@ def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "kernel", lambda name, cuda: real(name, True))
     llm = LLM(str(path), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01)
     assert [o.token_ids for o in llm.generate(batch, params)] == want
+
+
+def test_bench_reports_oasis_points_with_pcie_traffic():
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench", "qwen3-tiny",
+                          "--context-lens", "256", "--concurrency", "2", "--output-lens", "24", "--kv-mode", "oasis",
+                          "--topk-blocks", "4", "--fetch-ratio", "0.25", "--host-kv-gib", "0.01"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    point = json.loads(out.stdout.strip().splitlines()[-1])["points"][0]
+    assert point["engine"] == "oasis-K4" and point["tok_s"] > 0 and point["pcie_gb_s"] > 0
+    assert "PCIe GB/s" in out.stdout
