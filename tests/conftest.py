@@ -15,13 +15,13 @@ if not torch.cuda.is_available():
 
 _FIXTURE_CANDIDATES = [
     os.environ.get("OASISKV_FIXTURES", ""),
-    str(Path(__file__).resolve().parents[1] / ".fixtures" / "pycode-19m"),
     str(Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "pycode-19m"),
+    str(Path(__file__).resolve().parents[1] / ".fixtures" / "pycode-19m"),  # a partial copy for the GPU machine
 ]
 
 
 def fixture_dir() -> Path | None:
-    """The pycode-19m fixture folder: $OASISKV_FIXTURES, ./.fixtures/pycode-19m or ../shared/fixtures."""
+    """The pycode-19m fixture folder: $OASISKV_FIXTURES, ../shared/fixtures or ./.fixtures/pycode-19m."""
     for cand in _FIXTURE_CANDIDATES:
         if cand and (Path(cand) / "target" / "config.json").exists():
             return Path(cand)
@@ -41,3 +41,11 @@ def cuda_device():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return torch.device("cuda")
+
+
+def fixture_part(fixtures_path: Path, name: str) -> Path:
+    """A sub-folder of the fixtures (``draft``, ``eagle3``); skips the test when this copy lacks it."""
+    part = fixtures_path / name
+    if not part.exists():
+        pytest.skip(f"fixture part {name}/ not present in {fixtures_path}")
+    return part

@@ -1,0 +1,101 @@
+"""EAGLE-3 draft head in its published HF layout (``LlamaForCausalLMEagle3``).
+
+Weights: ``fc.weight`` [H, 3H] fuses the target's residual stream after three decoder layers
+(``eagle_config.eagle_aux_hidden_state_layer_ids``); one decoder layer ``midlayer.*`` whose q/k/v
+projections read ``concat(input_layernorm(embed(token)), hidden_norm(fc(features)))`` (embedding
+first), Llama attention with RoPE, SwiGLU MLP; ``norm``; ``lm_head`` over a reduced draft vocabulary;
+``d2t`` maps draft id -> target id (target = draft + d2t[draft]). Token embeddings are the target's.
+Alignment: position i combines the target's features at i with the embedding of token i+1 and
+predicts token i+2.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oasiskv.config import RopeConfig
+from oasiskv.kernels.reference import rms_norm_ref
+from oasiskv.layers.rotary import RotaryEmbedding
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        h, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        d = cfg.get("head_dim") or h // heads
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, d, cfg.get("rms_norm_eps", 1e-6)
+        self.aux_layers = tuple(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        lin = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype)  # noqa: E731
+        self.fc = lin(3 * h, h)
+        self.q_proj, self.k_proj, self.v_proj = lin(2 * h, heads * d), lin(2 * h, kv_heads * d), lin(2 * h, kv_heads * d)
+        self.o_proj = lin(heads * d, h)
+        self.gate_proj, self.up_proj = lin(h, cfg["intermediate_size"]), lin(h, cfg["intermediate_size"])
+        self.down_proj = lin(cfg["intermediate_size"], h)
+        self.norms = nn.ParameterDict({n: nn.Parameter(torch.ones(h, dtype=dtype)) for n in
+                                       ("hidden_norm", "input_layernorm", "post_attention_layernorm", "norm")})
+        self.lm_head = lin(h, cfg["draft_vocab_size"])
+        self.register_buffer("d2t", torch.zeros(cfg["draft_vocab_size"], dtype=torch.long))
+        theta = cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
+        self.rotary = RotaryEmbedding(d, cfg.get("max_position_embeddings", 4096), RopeConfig(float(theta)))
+
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_ref(x, self.norms[name], self.eps)
+
+    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Whole-sequence (causal) pass: features ``[T, 3H]`` (target residual streams at positions i,
+        concatenated in ``aux_layers`` order), next_embeds ``[T, H]`` (embedding of token i+1) ->
+        target-vocabulary ids ``[T]`` of the guessed token i+2."""
+        t = features.shape[0]
+        fused = self.fc(features)
+        x = torch.cat([self._norm("input_layernorm", next_embeds), self._norm("hidden_norm", fused)], dim=-1)
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        group = self.heads // self.kv_heads
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(group, 0)[None],
+                                              v.transpose(0, 1).repeat_interleave(group, 0)[None], is_causal=True)
+        h = fused + self.o_proj(attn[0].transpose(0, 1).reshape(t, -1))
+        m = self._norm("post_attention_layernorm", h)
+        h = h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        draft = self.lm_head(self._norm("norm", h)).argmax(-1)
+        return draft + self.d2t[draft]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Eagle3Head:
+    """Load an EAGLE-3 head folder (``config.json`` + ``model.safetensors``). Raises ValueError when a
+    tensor is missing or has the wrong shape."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    if "eagle_config" not in cfg or "draft_vocab_size" not in cfg:
+        raise ValueError(f"{path} is not an EAGLE-3 head (config.json lacks eagle_config / draft_vocab_size)")
+    head = Eagle3Head(cfg, dtype)
+    names = {"fc.weight": "fc.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "norm.weight": "norms.norm"}
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        names[f"midlayer.self_attn.{proj}.weight"] = f"{proj}.weight"
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        names[f"midlayer.mlp.{proj}.weight"] = f"{proj}.weight"
+    for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+        names[f"midlayer.{norm}.weight"] = f"norms.{norm}"
+    tensors = load_file(str(path / "model.safetensors"))
+    state = head.state_dict()
+    for src, dst in names.items():
+        if src not in tensors:
+            raise ValueError(f"EAGLE-3 checkpoint {path} lacks {src!r}")
+        if tuple(tensors[src].shape) != tuple(state[dst].shape):
+            raise ValueError(f"EAGLE-3 tensor {src!r} has shape {tuple(tensors[src].shape)}, expected "
+                             f"{tuple(state[dst].shape)}")
+        state[dst] = tensors[src].to(state[dst].dtype)
+    head.load_state_dict(state)
+    return head.to(device).eval()
