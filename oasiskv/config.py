@@ -147,6 +147,8 @@ class EngineConfig:
     host_kv_gib: float = _opt(0.0, "oasis: host store size in GiB (pinned on CUDA); 0 = 4 GiB, a setting, "
                               "never read from MemTotal")
     score_alpha: float = _opt(1.0, "oasis: alpha in score = q.c + alpha*|q|.r over block min/max summaries")
+    draft: str = _opt("", "oasis: lookahead drafter: '' = none (select with the current query, synchronous), "
+                      "'none' (predict with the previous query), 'ngram', or 'model:PATH' (a small LM)")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):
@@ -162,6 +164,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.kv_mode not in ("dense", "oasis"):
             raise ValueError(f"kv_mode must be dense or oasis, got {self.kv_mode!r}")
+        if self.draft and self.kv_mode != "oasis":
+            raise ValueError("draft (lookahead) needs kv_mode=oasis")
         if self.topk_blocks < 1 or not 0.0 < self.fetch_ratio <= 1.0 or self.host_kv_gib < 0:
             raise ValueError("topk_blocks must be >= 1, fetch_ratio in (0, 1], host_kv_gib >= 0")
         parse_dtype(self.dtype)

@@ -4,10 +4,14 @@ Prefill is dense: its K/V go straight to the host store, completed blocks get su
 sequence's prompt is complete each head's working set is seeded with its top-K blocks by the last
 prompt token's query (no cap) plus the partial last block as the local block.
 
-Decode, per layer (synchronous retrieval): store the token's K/V in the host store and the local
-block; score every complete block's summary with the token's query; select per head with the HBM
-fetch cap and copy the admitted blocks from the host store (UVA gather on CUDA); attend over the K
-slots + the local block; when the local block fills, summarise it and move it into the working set.
+Decode, per layer: store the token's K/V in the host store and the local block; select (score every
+complete block's summary, choose per head with the HBM fetch cap, copy the admitted blocks from the
+host store: UVA gather on CUDA); attend over the K slots + the local block; when the local block
+fills, summarise it and move it into the working set. Selection runs in one of two places:
+- synchronous retrieval (``draft`` empty): before attention, with the token's own query;
+- lookahead (``draft`` set): after attention, for step t+1, with the draft row's query (the guessed
+  next token pushed through the layer next to the real one) or, without a guess, the real query.
+  Here it is applied at once; overlapping it with the next layers is the prefetch pipeline's job.
 With K >= the number of complete blocks and no cap, every block stays resident: dense attention.
 """
 from __future__ import annotations
@@ -48,6 +52,9 @@ class SparseBackend(AttentionBackend):
         self._store, self._attend = kernel("store_kv", cuda), kernel("sparse_decode_attention", cuda)
         self._now = 0
         self._counters = torch.zeros(4, dtype=torch.long, device=device)  # hits, misses, fetched, decode rows
+        #: callables (kind, layer, seq slots [N], top-K blocks [N, Hk, K']) told, per decode step and layer,
+        #: the current query's top-K ("current") and, with lookahead, the predicted one for the next step
+        self.observers: list = []
 
     # ---- storage ---------------------------------------------------------------------------------
     def allocate(self, budget_bytes: int | None) -> None:
@@ -160,23 +167,61 @@ class SparseBackend(AttentionBackend):
         B = lay.block_size
         if layer == 0:
             self._now += 1
-        slots = batch.seq_slots
-        pos = batch.positions
+        n = batch.context_lens.shape[0]  # real rows; lookahead rows follow them
+        slots, pos, tables = batch.seq_slots.long(), batch.positions[:n], batch.block_tables
         local_k, local_v = self.ws.local(layer)
-        self._store(k, v, local_k, local_v, slots.long() * B + pos % B)
-        complete = (pos // B).to(torch.int32)
-        scores = self.summaries.scores(layer, q, batch.block_tables, complete)
-        sel = self.ws.select_and_fetch(layer, self.host, slots.long(), batch.block_tables, scores, self.cap, self._now)
-        self._counters += torch.stack([sel.hits, sel.misses, sel.admitted, sel.hits.new_tensor(len(pos) * (layer == 0))])
-        out = self._attend(q, self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], slots,
+        self._store(k[:n], v[:n], local_k, local_v, slots * B + pos % B)
+        if not self.config.draft:  # synchronous retrieval: select with this token's own query
+            self._select(layer, q[:n], slots, tables, pos // B)
+        if self.observers:
+            self._notify("current", layer, slots, self.summaries.scores(layer, q[:n], tables, (pos // B).int()))
+        out = self._attend(q[:n], self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], batch.seq_slots,
                            (pos % B + 1).to(torch.int32), scale)
-        done = pos % B == B - 1
-        host_block = batch.block_tables.long().gather(1, (pos // B)[:, None])[:, 0]
-        heads = self._heads(len(pos))
-        self.summaries.update(layer, local_k, slots.long().repeat_interleave(lay.num_kv_heads), heads,
-                              torch.where(done, host_block, -1).repeat_interleave(lay.num_kv_heads), heads)
-        self.ws.promote_local(layer, slots.long(), done, pos // B, self._now)
+        self._complete_local_blocks(layer, slots, pos, tables)
+        if not self.config.draft:
+            return out
+        # lookahead: draft rows attend over the same working set, the real token and themselves (their
+        # K/V sit in the local block just past the real token until the next token overwrites them);
+        # their queries (the real ones where a sequence has no draft) choose step t+1's working set.
+        q_next = q[:n]
+        if batch.draft_of is not None:
+            rows = batch.draft_of
+            d_pos = pos[rows] + 1
+            self._store(k[n:], v[n:], local_k, local_v, slots[rows] * B + d_pos % B)
+            out_draft = self._attend(q[n:], self.ws.k[layer], self.ws.v[layer], self.ws.map[layer],
+                                     batch.seq_slots[rows], (d_pos % B + 1).to(torch.int32), scale)
+            out = torch.cat([out, out_draft])
+            q_next = q_next.index_copy(0, rows, q[n:])
+        scores = self._select(layer, q_next, slots, tables, (pos + 1) // B)
+        if self.observers:
+            self._notify("predicted", layer, slots, scores)
         return out
+
+    def _select(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                complete: torch.Tensor) -> torch.Tensor:
+        """Score each row's complete blocks with ``q``, apply the capped selection, fetch; returns scores."""
+        scores = self.summaries.scores(layer, q, tables, complete.to(torch.int32))
+        sel = self.ws.select_and_fetch(layer, self.host, slots, tables, scores, self.cap, self._now)
+        self._counters += torch.stack([sel.hits, sel.misses, sel.admitted, sel.hits.new_tensor(len(q) * (layer == 0))])
+        return scores
+
+    def _complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor) -> None:
+        """Rows whose local block just filled: summarise it and move it into the working set."""
+        lay, B = self.layout, self.layout.block_size
+        done = pos % B == B - 1
+        host_block = tables.long().gather(1, (pos // B)[:, None])[:, 0]
+        heads = self._heads(len(pos))
+        local_k = self.ws.local(layer)[0]
+        self.summaries.update(layer, local_k, slots.repeat_interleave(lay.num_kv_heads), heads,
+                              torch.where(done, host_block, -1).repeat_interleave(lay.num_kv_heads), heads)
+        self.ws.promote_local(layer, slots, done, pos // B, self._now)
+
+    def _notify(self, kind: str, layer: int, slots: torch.Tensor, scores: torch.Tensor) -> None:
+        """Tell observers a per-head top-K: ``[N, Hk, K']`` block indices, -1 where fewer blocks exist."""
+        values, blocks = scores.topk(min(self.layout.topk_blocks, scores.shape[-1]), dim=-1)
+        blocks = torch.where(values > float("-inf"), blocks, -1)
+        for observer in self.observers:
+            observer(kind, layer, slots, blocks)
 
     def _heads(self, rows: int) -> torch.Tensor:
         return torch.arange(self.layout.num_kv_heads, device=self.device).repeat(rows)

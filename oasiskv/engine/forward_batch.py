@@ -28,6 +28,9 @@ class ForwardBatch:
     Prefill only: query_lens / prefix_lens (host lists, per sequence: new tokens, tokens already cached).
     seq_slots: ``[B]`` int32 per-sequence KV state slot (``Sequence.kv_slot``; -1 when the backend keeps
     none). last_chunk: host list, True where this step computes a sequence's last uncomputed token.
+    Decode with lookahead: after the B real rows come draft rows (a guessed next token at position
+    + 1, never stored); ``draft_of`` ``[D]`` gives each draft row's real row. ``context_lens`` etc. cover
+    the real rows only.
     """
     is_prefill: bool
     input_ids: torch.Tensor
@@ -39,6 +42,7 @@ class ForwardBatch:
     prefix_lens: list[int] = field(default_factory=list)
     seq_slots: torch.Tensor | None = None
     last_chunk: list[bool] = field(default_factory=list)
+    draft_of: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ from oasiskv.engine.scheduler import Scheduler
 from oasiskv.engine.sequence import Sequence, TokenLogprobs
 from oasiskv.models.loader import resolve_model_path
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.spec.base import make_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_file(self.model_path / "config.json")
         self.tokenizer = _load_tokenizer(self.model_path)
         self.runner = ModelRunner(config, self.model_path, self.model_config)
+        self.drafter = make_drafter(config.draft, self.runner.device) if config.draft else None
         self.max_model_len = self.runner.max_model_len
         self.allocator = self.runner.backend.make_allocator()
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
@@ -137,6 +139,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.abort(req.seq)
+        self._release_draft(req.seq)
         self._update_queue_stats()
         return True
 
@@ -170,7 +173,9 @@ class LLMEngine:
             reason = self._stop_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
+                self._release_draft(seq)
             outputs.append(self._output(seq))
+        self._draft([self.requests[o.request_id].seq for o in outputs if not o.finished])
         self._record_step(batch, len(outputs), time.perf_counter() - start)
         return outputs
 
@@ -185,9 +190,21 @@ class LLMEngine:
             return "length"
         return None
 
+    def _draft(self, seqs: list[Sequence]) -> None:
+        """Lookahead: each sequence that just got a token gets the drafter's guess of the one after."""
+        if self.drafter is not None and seqs:
+            for seq, guess in zip(seqs, self.drafter.propose(seqs)):
+                seq.draft_token = guess
+
+    def _release_draft(self, seq: Sequence) -> None:
+        seq.draft_token = None
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         self.requests[seq.request_id].error = message
         self.scheduler.finish(seq, "error")
+        self._release_draft(seq)
         return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -115,7 +115,7 @@ class ModelRunner:
             if seq.num_computed_tokens + n == len(seq):
                 rows.append(end - 1)
                 seqs.append(seq)
-        if len(rows) < hidden.shape[0]:
+        if len(rows) < hidden.shape[0]:  # prefill chunks, lookahead rows: only real last rows are sampled
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
         return seqs, self.model.compute_logits(hidden)
 
@@ -135,6 +135,11 @@ class ModelRunner:
             pos += range(start, start + n)
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             ctx.append(start + n)
+        draft_of = [] if batch.is_prefill else [i for i, s in enumerate(batch.seqs) if s.draft_token is not None]
+        for i in draft_of:  # lookahead rows: the guessed next token one position on, never stored
+            ids.append(batch.seqs[i].draft_token)
+            pos.append(pos[i] + 1)
+            slots.append(-1)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = np.zeros((len(batch), width), dtype=np.int32)
         for row, seq in zip(tables, batch.seqs):
@@ -144,7 +149,8 @@ class ModelRunner:
                             self._to_device(ctx, torch.int32), list(batch.num_tokens),
                             [s.num_computed_tokens for s in batch.seqs],
                             self._to_device([s.kv_slot for s in batch.seqs], torch.int32),
-                            [s.num_computed_tokens + n == len(s) for s, n in zip(batch.seqs, batch.num_tokens)])
+                            [s.num_computed_tokens + n == len(s) for s, n in zip(batch.seqs, batch.num_tokens)],
+                            self._to_device(draft_of, torch.long) if draft_of else None)
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> StepResult:
         result = StepResult([None] * len(batch), [None] * len(batch), [[] for _ in batch.seqs])

@@ -178,3 +178,33 @@ def test_bench_reports_oasis_points_with_pcie_traffic():
     point = json.loads(out.stdout.strip().splitlines()[-1])["points"][0]
     assert point["engine"] == "oasis-K4" and point["tok_s"] > 0 and point["pcie_gb_s"] > 0
     assert "PCIe GB/s" in out.stdout
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_lookahead_equals_dense_when_k_covers_every_block(tiny, draft):
+    batch = prompts(4, seed=6)
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01, draft=draft)
+    assert [o.token_ids for o in llm.generate(batch, GREEDY)] == dense_tokens(tiny, batch)
+
+
+def test_draft_rows_see_the_working_set_the_real_token_and_themselves(tiny):
+    """A draft row's final hidden state equals a dense forward of the sequence extended by the draft
+    token (K covers every block), and the real row is untouched by it."""
+    from oasiskv.engine.scheduler import ScheduledBatch
+    from oasiskv.engine.sequence import Sequence
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01, draft="ngram")
+    engine = llm.engine
+    engine.add_request(prompts(1, lo=70, hi=71, seed=7)[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for _ in range(4):  # prefill + a few decode steps: the local block holds several tokens
+        engine.step()
+    seq = engine.scheduler.running[0]
+    assert seq.draft_token is not None
+    batch = engine.scheduler.schedule()
+    hidden = engine.runner.forward(batch)
+    assert hidden.shape[0] == 2
+    dense = LLM(str(tiny), num_kv_blocks=64).engine
+    for tokens, row in ((seq.token_ids, 0), (seq.token_ids + [seq.draft_token], 1)):
+        ref = Sequence(list(tokens), SamplingParams())
+        dense.allocator.allocate(ref, len(tokens))
+        want = dense.runner.forward(ScheduledBatch([ref], [len(tokens)], True))[-1]
+        torch.testing.assert_close(hidden[row], want, rtol=1e-4, atol=1e-4)
