@@ -5,6 +5,13 @@ last ``last`` positions are decoded one at a time, teacher-forced (the true next
 the sampled one), once densely and once per oasis setting (K x fetch cap). Reported per setting:
 next-token loss on the true tokens (nats), its difference to dense, and greedy top-1 agreement with
 dense at the same positions. A table, then one JSON line.
+
+With ``--drafts`` it also runs the lookahead step (K = ``--draft-k``, the fetch cap on) once per
+drafter and reports, besides loss and top-1, the drafter's hit rate (its guess == the true next token)
+and per layer the agreement of the predicted top-K set with the set the true next query then picks
+from the same summaries (mean over heads of |predicted & true| / |true|). Drafters: ``none``
+(previous query), ``ngram``, ``model:PATH``, ``eagle3:PATH`` (the head's guesses from a dense target
+pass over the window) and ``oracle`` (the true next token: the upper bound).
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ class Run:
     setting: str
     loss: float
     top1: list[list[int]]
+    draft_hit_rate: float | None = None
+    set_agreement: list[float] | None = None
 
 
 def add_eval_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +45,9 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--last", type=int, default=256, help="decoded (scored) positions at each window's end")
     parser.add_argument("--topk-blocks", default="16,32,64", help="K values to evaluate")
     parser.add_argument("--fetch-ratio", type=float, default=0.05, help="f_HBM of the capped runs")
+    parser.add_argument("--drafts", default="", help="lookahead drafters to compare, e.g. none,ngram,oracle,"
+                        "model:PATH,eagle3:PATH (empty: skip)")
+    parser.add_argument("--draft-k", type=int, default=32, help="K of the lookahead runs")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
 
@@ -49,30 +61,72 @@ def windows(engine: LLMEngine, text_file: str, count: int, length: int) -> list[
     return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
-def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int) -> tuple[float, list[list[int]]]:
-    """Mean NLL of the true tokens at each window's last ``last`` positions, and the greedy tokens."""
-    forced = {}
-    for w in wins:
+class SetAgreement:
+    """Observer of the sparse backend: pairs each layer's predicted top-K (made at step t) with the top-K
+    the real query picks at step t+1, per sequence slot; accumulates the mean overlap per layer."""
+
+    def __init__(self, num_layers: int):
+        self.pending: dict[tuple[int, int], torch.Tensor] = {}
+        self.total, self.count = [0.0] * num_layers, [0] * num_layers
+
+    def __call__(self, kind: str, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        blocks = blocks.cpu()
+        for i, slot in enumerate(slots.tolist()):
+            if kind == "predicted":
+                self.pending[(slot, layer)] = blocks[i]
+                continue
+            predicted = self.pending.pop((slot, layer), None)
+            if predicted is None:
+                continue
+            for true_row, pred_row in zip(blocks[i].tolist(), predicted.tolist()):
+                true = {b for b in true_row if b >= 0}
+                if true:
+                    self.total[layer] += len(true & {b for b in pred_row if b >= 0}) / len(true)
+                    self.count[layer] += 1
+
+    def per_layer(self) -> list[float]:
+        return [t / max(1, c) for t, c in zip(self.total, self.count)]
+
+
+def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, guesses=None):
+    """Mean NLL of the true tokens at each window's last ``last`` positions, the greedy tokens, and the
+    drafter's hit rate. ``guesses``: None (the engine's drafter, if any, proposes) or per window the
+    guess for each decoded position (precomputed drafters)."""
+    forced, window_of = {}, {}
+    for i, w in enumerate(wins):
         rid = engine.add_request(w[:-last], SamplingParams(max_tokens=last, temperature=0, ignore_eos=True))
-        forced[rid] = w[-last:]
+        forced[rid], window_of[rid] = w[-last:], i
     nll, greedy = {rid: [] for rid in forced}, {rid: [] for rid in forced}
+    hits = tries = 0
     sched, runner = engine.scheduler, engine.runner
     while sched.has_unfinished():
         batch = sched.schedule()
         seqs, logits = runner.next_token_logits(batch, runner.forward(batch))
         sched.postprocess(batch)
         logp = torch.log_softmax(logits.float(), dim=-1)
+        live = []
         for row, seq in enumerate(seqs):
             step = len(seq.output_token_ids)
             true = forced[seq.request_id][step]
             nll[seq.request_id].append(-logp[row, true].item())
             greedy[seq.request_id].append(int(logp[row].argmax()))
+            if seq.draft_token is not None:
+                hits, tries = hits + (seq.draft_token == true), tries + 1
             seq.append_token(true)
             if step + 1 == last:
                 sched.finish(seq, "length")
                 engine.requests.pop(seq.request_id)
+                seq.draft_token = None
+            else:
+                live.append(seq)
+        if guesses is not None:
+            for seq in live:
+                seq.draft_token = guesses[window_of[seq.request_id]][len(seq.output_token_ids)]
+        elif engine.drafter is not None and live:
+            for seq, guess in zip(live, engine.drafter.propose(live)):
+                seq.draft_token = guess
     losses = [x for rid in forced for x in nll[rid]]
-    return sum(losses) / len(losses), [greedy[rid] for rid in forced]
+    return sum(losses) / len(losses), [greedy[rid] for rid in forced], hits / tries if tries else None
 
 
 def evaluate(args: argparse.Namespace) -> list[Run]:
@@ -80,7 +134,7 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
                 max_num_batched_tokens=args.window_len)
     dense = LLMEngine(EngineConfig(**base))
     wins = windows(dense, args.text, args.windows, args.window_len)
-    runs = [Run("dense", *teacher_forced(dense, wins, args.last))]
+    runs = [Run("dense", *teacher_forced(dense, wins, args.last)[:2])]
     del dense
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     for k in (int(x) for x in args.topk_blocks.split(",")):
@@ -88,8 +142,63 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
             engine = LLMEngine(EngineConfig(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,
                                             host_kv_gib=host_gib))
             label = f"oasis K={k} " + ("no cap" if ratio == 1.0 else f"cap f={ratio}")
-            runs.append(Run(label, *teacher_forced(engine, wins, args.last)))
+            runs.append(Run(label, *teacher_forced(engine, wins, args.last)[:2]))
+    for spec in filter(None, args.drafts.split(",")):
+        runs.append(lookahead_run(args, base, host_gib, wins, spec))
     return runs
+
+
+def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec: str) -> Run:
+    """Teacher-forced lookahead (K = draft_k, cap on) with one drafter, observed for set agreement.
+    Precomputed guesses are indexed by output count: entry j is set once j tokens are out, guessing
+    the j-th forced token (0-based)."""
+    precomputed = spec == "oracle" or spec.startswith("eagle3:")
+    engine = LLMEngine(EngineConfig(**base, kv_mode="oasis", topk_blocks=args.draft_k, fetch_ratio=args.fetch_ratio,
+                                    host_kv_gib=host_gib, draft="none" if precomputed else spec))
+    guesses = None
+    if spec == "oracle":
+        guesses = [w[-args.last:] for w in wins]
+    elif precomputed:
+        guesses = [eagle3_guesses(engine, spec.partition(":")[2], w, args.last) for w in wins]
+    agreement = SetAgreement(engine.model_config.num_layers)
+    engine.runner.backend.observers.append(agreement)
+    loss, top1, hit_rate = teacher_forced(engine, wins, args.last, guesses)
+    run = Run(f"lookahead K={args.draft_k} f={args.fetch_ratio} {spec}", loss, top1)
+    run.draft_hit_rate, run.set_agreement = hit_rate, agreement.per_layer()
+    return run
+
+
+def eagle3_guesses(engine: LLMEngine, path: str, window: list[int], last: int) -> list[int]:
+    """The EAGLE-3 head's guess for each decoded position of ``window`` from one dense target pass:
+    position i's features + token i+1 -> token i+2 (the draft used at the step that feeds token i+1)."""
+    from oasiskv.engine.forward_batch import ForwardBatch, forward_context
+    from oasiskv.spec.eagle3 import load_eagle3
+    model, device = engine.runner.model, engine.runner.device
+    head = load_eagle3(path, dtype=engine.runner.dtype, device=device)
+    ids = torch.tensor(window, device=device)
+    pos = torch.arange(len(window), device=device)
+    batch = ForwardBatch(True, ids, pos, torch.full_like(ids, -1), torch.zeros((1, 1), dtype=torch.int32, device=device),
+                         torch.tensor([len(window)], dtype=torch.int32, device=device), [len(window)], [0])
+    model.aux_layers = head.aux_layers
+    try:
+        with torch.inference_mode(), forward_context(batch, _NoKV()):
+            model(ids, pos)
+            t = len(window) - 1
+            guess = head(torch.cat(model.aux_hidden_states, -1)[:t], model.embed_tokens(ids[1:t + 1]), pos[:t])
+    finally:
+        model.aux_layers = ()
+    # entry j: the guess of token P + j (P = len - last), made once token P + j - 1 is known: the head's
+    # output at position P + j - 2
+    start = len(window) - last
+    return guess[start - 2:start - 2 + last].tolist()
+
+
+class _NoKV:
+    """A backend stand-in for one dense pass that stores nothing (causal SDPA over the fresh K/V)."""
+
+    def forward(self, layer, q, k, v, batch, scale):
+        from oasiskv.attention.prefill import prefill_attention
+        return prefill_attention(q, k, v, batch, scale, None)
 
 
 def _kv_bytes_per_token(args) -> int:
@@ -109,8 +218,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         same = sum(a == b for g, d in zip(run.top1, dense.top1) for a, b in zip(g, d))
         total = sum(len(g) for g in run.top1)
         rows.append({"setting": run.setting, "loss": run.loss, "delta": run.loss - dense.loss,
-                     "top1_agreement": same / total})
-        print(f"{run.setting:28} {run.loss:7.4f} {run.loss - dense.loss:+9.4f} {same / total:14.3f}")
+                     "top1_agreement": same / total, "draft_hit_rate": run.draft_hit_rate,
+                     "set_agreement_per_layer": run.set_agreement})
+        extra = "" if run.set_agreement is None else (
+            f"  draft hit {'-' if run.draft_hit_rate is None else f'{run.draft_hit_rate:.3f}'}, set agreement per layer "
+            + " ".join(f"{a:.2f}" for a in run.set_agreement)
+            + f" (mean {sum(run.set_agreement) / len(run.set_agreement):.3f})")
+        print(f"{run.setting:28} {run.loss:7.4f} {run.loss - dense.loss:+9.4f} {same / total:14.3f}{extra}")
     print(json.dumps({"windows": args.windows, "window_len": args.window_len, "last": args.last, "runs": rows}))
     return 0
 

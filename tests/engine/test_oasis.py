@@ -208,3 +208,24 @@ def test_draft_rows_see_the_working_set_the_real_token_and_themselves(tiny):
         dense.allocator.allocate(ref, len(tokens))
         want = dense.runner.forward(ScheduledBatch([ref], [len(tokens)], True))[-1]
         torch.testing.assert_close(hidden[row], want, rtol=1e-4, atol=1e-4)
+
+
+def test_eval_lookahead_measures_drafters_and_set_agreement(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from oasiskv.models.loader import DEMO_MODEL
+    text = tmp_path / "text.json"
+    text.write_text(json.dumps({"docs": [f"def f{i}(x):\n    return x * {i}\n" for i in range(200)]}))
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval", str(DEMO_MODEL),
+                          "--text", str(text), "--windows", "2", "--window-len", "256", "--last", "32",
+                          "--topk-blocks", "4", "--drafts", "none,ngram,oracle", "--draft-k", "4",
+                          "--fetch-ratio", "0.25"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    runs = {r["setting"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["runs"]}
+    none, ngram, oracle = (runs[f"lookahead K=4 f=0.25 {d}"] for d in ("none", "ngram", "oracle"))
+    assert none["draft_hit_rate"] is None and oracle["draft_hit_rate"] == 1.0
+    assert 0.0 <= ngram["draft_hit_rate"] <= 1.0
+    assert len(oracle["set_agreement_per_layer"]) == 2  # the demo model's layers
+    mean = lambda r: sum(r["set_agreement_per_layer"]) / 2  # noqa: E731
+    assert mean(oracle) >= mean(none) and mean(oracle) > 0.9
