@@ -38,14 +38,11 @@ class BlockManager(KVAllocator):
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    def _new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
-
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._new_blocks(seq, num_new_tokens) <= len(self.free_blocks)
+        return self.blocks_to_add(seq, num_new_tokens) <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        need = self._new_blocks(seq, num_new_tokens)
+        need = self.blocks_to_add(seq, num_new_tokens)
         if need > len(self.free_blocks):
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free_blocks)} free")
         for _ in range(need):

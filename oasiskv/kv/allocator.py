@@ -28,12 +28,9 @@ class TieredAllocator(KVAllocator):
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    def _new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
-
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         needs_slot = seq.kv_slot < 0
-        return self._new_blocks(seq, num_new_tokens) <= len(self.free_blocks) and (
+        return self.blocks_to_add(seq, num_new_tokens) <= len(self.free_blocks) and (
             not needs_slot or bool(self.free_slots))
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -41,7 +38,7 @@ class TieredAllocator(KVAllocator):
             raise RuntimeError("tiered KV exhausted: no host blocks or no working-set slot")
         if seq.kv_slot < 0:
             seq.kv_slot = self.free_slots.pop()
-        for _ in range(self._new_blocks(seq, num_new_tokens)):
+        for _ in range(self.blocks_to_add(seq, num_new_tokens)):
             seq.block_table.append(self.free_blocks.pop())
 
     def free(self, seq: Sequence) -> None:

@@ -50,15 +50,15 @@ def plan_selection(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Te
 
     # victims: empty slots first, then least recently selected; slots holding a wanted block are protected
     key = torch.where(ws_map < 0, torch.full_like(ws_last, _EMPTY_FIRST), ws_last)
-    key = _scatter_where(key, hit, top_slot, _PROTECTED)
+    key = scatter_where(key, hit, top_slot, _PROTECTED)
     victims = key.argsort(dim=-1, stable=True)                         # [N, Hk, K]
-    _scatter_where(ws_last, hit, top_slot, now, out=ws_last)
+    scatter_where(ws_last, hit, top_slot, now, out=ws_last)
 
     rank = miss.long().cumsum(-1) - 1                                   # misses are in score order already
     admit = miss & (rank < cap)
     dst = victims.gather(-1, rank.clamp(min=0, max=k - 1))
-    _scatter_where(ws_map, admit, dst, top_blocks, out=ws_map)
-    _scatter_where(ws_last, admit, dst, now, out=ws_last)
+    scatter_where(ws_map, admit, dst, top_blocks, out=ws_map)
+    scatter_where(ws_last, admit, dst, now, out=ws_last)
 
     src_block = torch.full((n, heads, cap + 1), -1, dtype=torch.long, device=scores.device)
     dst_slot = torch.full_like(src_block, -1)
@@ -68,7 +68,7 @@ def plan_selection(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Te
     return Selection(src_block[..., :cap], dst_slot[..., :cap], hit.sum(), miss.sum(), admit.sum())
 
 
-def _scatter_where(table: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, value, out=None):
+def scatter_where(table: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, value, out=None):
     """``table[..., index[..., i]] = value[..., i]`` where ``mask[..., i]`` (rows of the last dim),
     through a scratch column so masked-out entries write nowhere. Returns the result (``out`` if given)."""
     ext = torch.cat([table, table.new_zeros(*table.shape[:-1], 1)], dim=-1)

@@ -16,7 +16,7 @@ import torch
 from oasiskv.kernels.dispatch import kernel
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
-from oasiskv.kv.selection import Selection, plan_selection
+from oasiskv.kv.selection import Selection, plan_selection, scatter_where
 
 
 class WorkingSet:
@@ -78,7 +78,8 @@ class WorkingSet:
         rows, heads = slots.long()[:, None], self._heads[None, :]
         for cache in (self.k[layer], self.v[layer]):
             cache[rows, heads, dst] = cache[rows, heads, local]
-        new_map = ws_map.scatter(-1, victim[..., None], block.to(ws_map.dtype).view(-1, 1, 1).expand(-1, ws_map.shape[1], 1))
-        new_last = ws_last.scatter(-1, victim[..., None], now)
-        self.map[layer][slots, :, :K] = torch.where(done[:, None, None], new_map, ws_map)
-        self.last[layer][slots] = torch.where(done[:, None, None], new_last, ws_last)
+        mask, index = done[:, None, None].expand(*victim.shape, 1), victim[..., None]
+        scatter_where(ws_map, mask, index, block.view(-1, 1, 1).expand(*victim.shape, 1), out=ws_map)
+        scatter_where(ws_last, mask, index, now, out=ws_last)
+        self.map[layer][slots, :, :K] = ws_map
+        self.last[layer][slots] = ws_last
