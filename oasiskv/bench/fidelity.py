@@ -10,8 +10,8 @@ With ``--drafts`` it also runs the lookahead step (K = ``--draft-k``, the fetch 
 drafter and reports, besides loss and top-1, the drafter's hit rate (its guess == the true next token)
 and per layer the agreement of the predicted top-K set with the set the true next query then picks
 from the same summaries (mean over heads of |predicted & true| / |true|). Drafters: ``none``
-(previous query), ``ngram``, ``model:PATH``, ``eagle3:PATH`` (the head's guesses from a dense target
-pass over the window) and ``oracle`` (the true next token: the upper bound).
+(previous query), ``ngram``, ``model:PATH``, ``eagle3:PATH`` and ``oracle`` (the true next token:
+the upper bound).
 """
 from __future__ import annotations
 
@@ -122,9 +122,8 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, guesses=
         if guesses is not None:
             for seq in live:
                 seq.draft_token = guesses[window_of[seq.request_id]][len(seq.output_token_ids)]
-        elif engine.drafter is not None and live:
-            for seq, guess in zip(live, engine.drafter.propose(live)):
-                seq.draft_token = guess
+        else:
+            engine._draft(batch, live)  # the engine's own drafter step (observe, then propose)
     losses = [x for rid in forced for x in nll[rid]]
     return sum(losses) / len(losses), [greedy[rid] for rid in forced], hits / tries if tries else None
 
@@ -150,55 +149,18 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
 
 def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec: str) -> Run:
     """Teacher-forced lookahead (K = draft_k, cap on) with one drafter, observed for set agreement.
-    Precomputed guesses are indexed by output count: entry j is set once j tokens are out, guessing
+    The oracle's guesses are indexed by output count: entry j is set once j tokens are out, guessing
     the j-th forced token (0-based)."""
-    precomputed = spec == "oracle" or spec.startswith("eagle3:")
+    oracle = spec == "oracle"
     engine = LLMEngine(EngineConfig(**base, kv_mode="oasis", topk_blocks=args.draft_k, fetch_ratio=args.fetch_ratio,
-                                    host_kv_gib=host_gib, draft="none" if precomputed else spec))
-    guesses = None
-    if spec == "oracle":
-        guesses = [w[-args.last:] for w in wins]
-    elif precomputed:
-        guesses = [eagle3_guesses(engine, spec.partition(":")[2], w, args.last) for w in wins]
+                                    host_kv_gib=host_gib, draft="none" if oracle else spec))
+    guesses = [w[-args.last:] for w in wins] if oracle else None
     agreement = SetAgreement(engine.model_config.num_layers)
     engine.runner.backend.observers.append(agreement)
     loss, top1, hit_rate = teacher_forced(engine, wins, args.last, guesses)
     run = Run(f"lookahead K={args.draft_k} f={args.fetch_ratio} {spec}", loss, top1)
     run.draft_hit_rate, run.set_agreement = hit_rate, agreement.per_layer()
     return run
-
-
-def eagle3_guesses(engine: LLMEngine, path: str, window: list[int], last: int) -> list[int]:
-    """The EAGLE-3 head's guess for each decoded position of ``window`` from one dense target pass:
-    position i's features + token i+1 -> token i+2 (the draft used at the step that feeds token i+1)."""
-    from oasiskv.engine.forward_batch import ForwardBatch, forward_context
-    from oasiskv.spec.eagle3 import load_eagle3
-    model, device = engine.runner.model, engine.runner.device
-    head = load_eagle3(path, dtype=engine.runner.dtype, device=device)
-    ids = torch.tensor(window, device=device)
-    pos = torch.arange(len(window), device=device)
-    batch = ForwardBatch(True, ids, pos, torch.full_like(ids, -1), torch.zeros((1, 1), dtype=torch.int32, device=device),
-                         torch.tensor([len(window)], dtype=torch.int32, device=device), [len(window)], [0])
-    model.aux_layers = head.aux_layers
-    try:
-        with torch.inference_mode(), forward_context(batch, _NoKV()):
-            model(ids, pos)
-            t = len(window) - 1
-            guess = head(torch.cat(model.aux_hidden_states, -1)[:t], model.embed_tokens(ids[1:t + 1]), pos[:t])
-    finally:
-        model.aux_layers = ()
-    # entry j: the guess of token P + j (P = len - last), made once token P + j - 1 is known: the head's
-    # output at position P + j - 2
-    start = len(window) - last
-    return guess[start - 2:start - 2 + last].tolist()
-
-
-class _NoKV:
-    """A backend stand-in for one dense pass that stores nothing (causal SDPA over the fresh K/V)."""
-
-    def forward(self, layer, q, k, v, batch, scale):
-        from oasiskv.attention.prefill import prefill_attention
-        return prefill_attention(q, k, v, batch, scale, None)
 
 
 def _kv_bytes_per_token(args) -> int:

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from oasiskv.config import EngineConfig, ModelConfig
 from oasiskv.engine.detokenizer import Detokenizer
 from oasiskv.engine.model_runner import ModelRunner
@@ -87,7 +89,10 @@ class LLMEngine:
         self.model_config = ModelConfig.from_file(self.model_path / "config.json")
         self.tokenizer = _load_tokenizer(self.model_path)
         self.runner = ModelRunner(config, self.model_path, self.model_config)
-        self.drafter = make_drafter(config.draft, self.runner.device) if config.draft else None
+        self.drafter = None
+        if config.draft:
+            self.drafter = make_drafter(config.draft, self.runner.device, self.runner.model)
+            self.runner.model.aux_layers = self.drafter.aux_layers
         self.max_model_len = self.runner.max_model_len
         self.allocator = self.runner.backend.make_allocator()
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
@@ -175,7 +180,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 self._release_draft(seq)
             outputs.append(self._output(seq))
-        self._draft([self.requests[o.request_id].seq for o in outputs if not o.finished])
+        self._draft(batch, [self.requests[o.request_id].seq for o in outputs if not o.finished])
         self._record_step(batch, len(outputs), time.perf_counter() - start)
         return outputs
 
@@ -190,9 +195,16 @@ class LLMEngine:
             return "length"
         return None
 
-    def _draft(self, seqs: list[Sequence]) -> None:
+    def _draft(self, batch, seqs: list[Sequence]) -> None:
         """Lookahead: each sequence that just got a token gets the drafter's guess of the one after."""
-        if self.drafter is not None and seqs:
+        if self.drafter is None:
+            return
+        features = None
+        if self.drafter.aux_layers:
+            real = sum(batch.num_tokens)  # lookahead rows follow the real ones
+            features = torch.cat(self.runner.model.aux_hidden_states, dim=-1)[:real]
+        self.drafter.observe(batch, features)
+        if seqs:
             for seq, guess in zip(seqs, self.drafter.propose(seqs)):
                 seq.draft_token = guess
 

@@ -41,7 +41,7 @@ class ModelDrafter(Drafter):
         self.mirrors[seq.seq_id] = m
         return m
 
-    def propose(self, seqs, features=None):
+    def propose(self, seqs):
         want = {id(self._sync(s)): i for i, s in enumerate(seqs)}
         guesses: list[int | None] = [None] * len(seqs)
         sched, runner = self.engine.scheduler, self.engine.runner

@@ -19,7 +19,9 @@ from torch import nn
 
 from oasiskv.config import RopeConfig
 from oasiskv.kernels.reference import rms_norm_ref
+from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.rotary import RotaryEmbedding
+from oasiskv.spec.base import Drafter
 
 
 class Eagle3Head(nn.Module):
@@ -45,10 +47,13 @@ class Eagle3Head(nn.Module):
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_ref(x, self.norms[name], self.eps)
 
-    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Whole-sequence (causal) pass: features ``[T, 3H]`` (target residual streams at positions i,
-        concatenated in ``aux_layers`` order), next_embeds ``[T, H]`` (embedding of token i+1) ->
-        target-vocabulary ids ``[T]`` of the guessed token i+2."""
+    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
+                cache: dict | None = None) -> torch.Tensor:
+        """Causal pass over consecutive positions: features ``[T, 3H]`` (target residual streams at
+        positions i, concatenated in ``aux_layers`` order), next_embeds ``[T, H]`` (embedding of token
+        i+1) -> target-vocabulary ids ``[T]`` of the guessed token i+2. With ``cache`` (a dict, empty at
+        first) the positions continue the ones already cached there, whose K/V the pass attends to and
+        extends."""
         t = features.shape[0]
         fused = self.fc(features)
         x = torch.cat([self._norm("input_layernorm", next_embeds), self._norm("hidden_norm", fused)], dim=-1)
@@ -57,9 +62,18 @@ class Eagle3Head(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)                       # [Hk, T, D]
+        mask = None
+        if cache is not None:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
+                past = k.shape[1] - t
+                mask = torch.arange(k.shape[1], device=k.device)[None, :] <= past + torch.arange(t, device=k.device)[:, None]
+            cache["k"], cache["v"] = k, v
         group = self.heads // self.kv_heads
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(group, 0)[None],
-                                              v.transpose(0, 1).repeat_interleave(group, 0)[None], is_causal=True)
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.repeat_interleave(group, 0)[None],
+                                              v.repeat_interleave(group, 0)[None], attn_mask=mask,
+                                              is_causal=mask is None)
         h = fused + self.o_proj(attn[0].transpose(0, 1).reshape(t, -1))
         m = self._norm("post_attention_layernorm", h)
         h = h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
@@ -99,3 +113,42 @@ def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, device: st
         state[dst] = tensors[src].to(state[dst].dtype)
     head.load_state_dict(state)
     return head.to(device).eval()
+
+
+class Eagle3Drafter(Drafter):
+    """``eagle3:PATH``: the head as an online drafter. Every step it runs the positions the target just
+    computed (prefill chunks and decode rows alike) against its own per-sequence K/V cache; the last
+    position's output is the sequence's next guess."""
+
+    def __init__(self, path: str, target_model, device: torch.device | None = None):
+        if target_model is None:
+            raise ValueError("the eagle3 drafter needs the target model (its embeddings and features)")
+        dtype = target_model.embed_tokens.weight.dtype
+        self.head = load_eagle3(path, dtype=dtype, device=device or target_model.embed_tokens.weight.device)
+        self.aux_layers = self.head.aux_layers
+        self.embed = target_model.embed_tokens
+        self.caches: dict[int, dict] = {}
+        self.guesses: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def observe(self, batch, features):
+        start = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            rows, start = features[start:start + n], start + n
+            if seq.is_finished:
+                continue
+            first = seq.num_computed_tokens - n
+            if first == 0:  # a new sequence, or one recomputed after preemption
+                self.caches[seq.seq_id] = {}
+            device = rows.device
+            nxt = torch.tensor(seq.token_ids[first + 1:first + n + 1], device=device)
+            pos = torch.arange(first, first + n, device=device)
+            guess = self.head(rows.to(self.head.fc.weight.dtype), self.embed(nxt), pos, self.caches[seq.seq_id])
+            self.guesses[seq.seq_id] = int(guess[-1])
+
+    def propose(self, seqs):
+        return [self.guesses.get(s.seq_id) for s in seqs]
+
+    def release(self, seq: Sequence) -> None:
+        self.caches.pop(seq.seq_id, None)
+        self.guesses.pop(seq.seq_id, None)

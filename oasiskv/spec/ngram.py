@@ -20,5 +20,5 @@ class NgramDrafter(Drafter):
     def __init__(self, max_n: int = 3, window: int = 8192):
         self.max_n, self.window = max_n, window
 
-    def propose(self, seqs, features=None):
+    def propose(self, seqs):
         return [ngram_guess(s.token_ids, self.max_n, self.window) for s in seqs]

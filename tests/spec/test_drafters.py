@@ -22,7 +22,7 @@ def test_ngram_continues_the_latest_earlier_match():
 def test_make_drafter_parses_and_rejects():
     assert isinstance(make_drafter("none"), NoDrafter)
     assert make_drafter("ngram").propose([Sequence([1, 2, 1], SamplingParams())]) == [2]
-    for bad in ("model", "ngram:x", "medusa:/x", ""):
+    for bad in ("model", "ngram:x", "medusa:/x", "", "eagle3"):
         with pytest.raises(ValueError, match="unknown drafter"):
             make_drafter(bad)
 
@@ -117,3 +117,58 @@ def test_eagle3_fixture_head_agrees_with_the_target_like_its_training_run(fixtur
         agree += int((guess == greedy[1:t + 1]).sum())
         total += t
     assert 0.72 <= agree / total <= 0.9, agree / total
+
+
+def test_online_eagle3_drafter_equals_the_whole_sequence_head(fixtures_path):
+    """Online (chunked prefill, then one position per step, own K/V cache) guesses equal the head run
+    once over the final sequence, features taken from a dense target pass."""
+    from oasiskv import LLM
+    target, head = str(fixtures_path / "target"), fixture_part(fixtures_path, "eagle3")
+    llm = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.05,
+              draft=f"eagle3:{head}", max_num_batched_tokens=128)
+    engine = llm.engine
+    seen = []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda seqs: seen.append(propose(seqs)[0]) or seen[-1:]
+    text = "\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"][:3])
+    prompt = engine.encode(text)[:300]
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    tokens = prompt + out.token_ids
+    assert len(seen) == 23  # one guess after each token but the last
+    # entry j of eagle3_guesses guesses token P + j; the online guess made once token P + j exists
+    # (j = 0 .. 22) is for token P + j + 1
+    want = eagle3_guesses(engine, str(head), tokens, 24)[1:]
+    assert sum(a == b for a, b in zip(seen, want)) >= 22, (seen, want)
+
+
+def eagle3_guesses(engine, path: str, window: list[int], last: int) -> list[int]:
+    """The EAGLE-3 head's guess for each decoded position of ``window`` from one dense target pass:
+    position i's features + token i+1 -> token i+2 (the draft used at the step that feeds token i+1)."""
+    from oasiskv.engine.forward_batch import ForwardBatch, forward_context
+    from oasiskv.spec.eagle3 import load_eagle3
+    model, device = engine.runner.model, engine.runner.device
+    head = load_eagle3(path, dtype=engine.runner.dtype, device=device)
+    ids = torch.tensor(window, device=device)
+    pos = torch.arange(len(window), device=device)
+    batch = ForwardBatch(True, ids, pos, torch.full_like(ids, -1), torch.zeros((1, 1), dtype=torch.int32, device=device),
+                         torch.tensor([len(window)], dtype=torch.int32, device=device), [len(window)], [0])
+    previous, model.aux_layers = model.aux_layers, head.aux_layers
+    try:
+        with torch.inference_mode(), forward_context(batch, _NoKV()):
+            model(ids, pos)
+            t = len(window) - 1
+            guess = head(torch.cat(model.aux_hidden_states, -1)[:t], model.embed_tokens(ids[1:t + 1]), pos[:t])
+    finally:
+        model.aux_layers = previous
+    # entry j: the guess of token P + j (P = len - last), made once token P + j - 1 is known: the head's
+    # output at position P + j - 2
+    start = len(window) - last
+    return guess[start - 2:start - 2 + last].tolist()
+
+
+class _NoKV:
+    """A backend stand-in for one dense pass that stores nothing (causal SDPA over the fresh K/V)."""
+
+    def forward(self, layer, q, k, v, batch, scale):
+        from oasiskv.attention.prefill import prefill_attention
+        return prefill_attention(q, k, v, batch, scale, None)
