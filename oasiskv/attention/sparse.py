@@ -17,6 +17,7 @@ With K >= the number of complete blocks and no cap, every block stays resident: 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -34,6 +35,17 @@ from oasiskv.kv.working_set import WorkingSet
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST_GIB = 4.0
+CPU_HBM_BYTES = 4 << 30  # without a GPU, working sets + summaries get this much ordinary memory
+
+
+def host_blocks_for(gib: float, layout: TieredLayout, pinned: bool) -> int:
+    """Host blocks that ``gib`` GiB hold. Pinned memory comes from torch's caching host allocator,
+    which rounds every allocation up to a power of two: K and V (one allocation each) are then sized
+    to the largest power of two that fits, so nothing pinned goes unused (up to half the setting)."""
+    per_tensor = gib * 2**30 / 2
+    if pinned:
+        per_tensor = 2 ** math.floor(math.log2(per_tensor))
+    return int(per_tensor // (layout.host_block_bytes // 2))
 
 
 class SparseBackend(AttentionBackend):
@@ -51,7 +63,8 @@ class SparseBackend(AttentionBackend):
         cuda = device.type == "cuda"
         self._store, self._attend = kernel("store_kv", cuda), kernel("sparse_decode_attention", cuda)
         self._now = 0
-        self._counters = torch.zeros(4, dtype=torch.long, device=device)  # hits, misses, fetched, decode rows
+        self._counters = torch.zeros(3, dtype=torch.long, device=device)  # hits, misses, fetched (no host sync)
+        self._decode_rows = 0
         #: callables (kind, layer, seq slots [N], top-K blocks [N, Hk, K']) told, per decode step and layer,
         #: the current query's top-K ("current") and, with lookahead, the predicted one for the next step
         self.observers: list = []
@@ -59,13 +72,11 @@ class SparseBackend(AttentionBackend):
     # ---- storage ---------------------------------------------------------------------------------
     def allocate(self, budget_bytes: int | None) -> None:
         lay = self.layout
-        host_bytes = (self.config.host_kv_gib or DEFAULT_HOST_GIB) * 2**30
-        num_host_blocks = int(host_bytes // lay.host_block_bytes)
+        num_host_blocks = host_blocks_for(self.config.host_kv_gib or DEFAULT_HOST_GIB, lay,
+                                          pinned=self.device.type == "cuda")
         summary_bytes = num_host_blocks * lay.summary_bytes_per_block
-        if budget_bytes is None:
-            slots = self.config.max_num_seqs
-        else:
-            slots = min(self.config.max_num_seqs, (budget_bytes - summary_bytes) // lay.working_set_bytes)
+        budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes
+        slots = min(self.config.max_num_seqs, (budget - summary_bytes) // lay.working_set_bytes)
         if slots < 1:
             raise RuntimeError(f"no HBM left for one working set ({lay.working_set_bytes / 2**20:.0f} MiB) after "
                                f"{summary_bytes / 2**30:.2f} GiB of summaries: lower host_kv_gib or topk_blocks")
@@ -98,7 +109,8 @@ class SparseBackend(AttentionBackend):
         return total
 
     def step_stats(self) -> dict[str, float]:
-        hits, misses, fetched, rows = self._counters.tolist()
+        hits, misses, fetched = self._counters.tolist()
+        rows, self._decode_rows = self._decode_rows, 0
         self._counters.zero_()
         lay = self.layout
         alloc = self.allocator
@@ -156,7 +168,7 @@ class SparseBackend(AttentionBackend):
         complete = length // B
         if complete:
             scores = self.summaries.scores(layer, q_last[None], table[None, :complete],
-                                           torch.tensor([complete], dtype=torch.int32, device=self.device))
+                                           torch.full((1,), complete, dtype=torch.int32, device=self.device))
             self.ws.select_and_fetch(layer, self.host, slot, table[None, :complete], scores, cap=K, now=self._now)
         if length % B:
             local = torch.full((1, heads, 1), self.layout.local_slot, dtype=torch.long, device=self.device)
@@ -202,7 +214,9 @@ class SparseBackend(AttentionBackend):
         """Score each row's complete blocks with ``q``, apply the capped selection, fetch; returns scores."""
         scores = self.summaries.scores(layer, q, tables, complete.to(torch.int32))
         sel = self.ws.select_and_fetch(layer, self.host, slots, tables, scores, self.cap, self._now)
-        self._counters += torch.stack([sel.hits, sel.misses, sel.admitted, sel.hits.new_tensor(len(q) * (layer == 0))])
+        self._counters += torch.stack([sel.hits, sel.misses, sel.admitted])
+        if layer == 0:
+            self._decode_rows += len(q)
         return scores
 
     def _complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ the upper bound).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, guesses=
             if step + 1 == last:
                 sched.finish(seq, "length")
                 engine.requests.pop(seq.request_id)
-                seq.draft_token = None
+                engine._release_draft(seq)
             else:
                 live.append(seq)
         if guesses is not None:
@@ -134,7 +135,7 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
     dense = LLMEngine(EngineConfig(**base))
     wins = windows(dense, args.text, args.windows, args.window_len)
     runs = [Run("dense", *teacher_forced(dense, wins, args.last)[:2])]
-    del dense
+    _free(dense)
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     for k in (int(x) for x in args.topk_blocks.split(",")):
         for ratio in (1.0, args.fetch_ratio):
@@ -142,6 +143,7 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
                                             host_kv_gib=host_gib))
             label = f"oasis K={k} " + ("no cap" if ratio == 1.0 else f"cap f={ratio}")
             runs.append(Run(label, *teacher_forced(engine, wins, args.last)[:2]))
+            _free(engine)
     for spec in filter(None, args.drafts.split(",")):
         runs.append(lookahead_run(args, base, host_gib, wins, spec))
     return runs
@@ -158,9 +160,18 @@ def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec
     agreement = SetAgreement(engine.model_config.num_layers)
     engine.runner.backend.observers.append(agreement)
     loss, top1, hit_rate = teacher_forced(engine, wins, args.last, guesses)
+    _free(engine)
     run = Run(f"lookahead K={args.draft_k} f={args.fetch_ratio} {spec}", loss, top1)
     run.draft_hit_rate, run.set_agreement = hit_rate, agreement.per_layer()
     return run
+
+
+def _free(engine: LLMEngine) -> None:
+    """Give an engine's device memory back before the next one sizes its storage from what is free."""
+    del engine.runner, engine.drafter
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _kv_bytes_per_token(args) -> int:

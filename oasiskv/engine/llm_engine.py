@@ -203,10 +203,14 @@ class LLMEngine:
         if self.drafter.aux_layers:
             real = sum(batch.num_tokens)  # lookahead rows follow the real ones
             features = torch.cat(self.runner.model.aux_hidden_states, dim=-1)[:real]
-        self.drafter.observe(batch, features)
-        if seqs:
-            for seq, guess in zip(seqs, self.drafter.propose(seqs)):
-                seq.draft_token = guess
+        try:
+            self.drafter.observe(batch, features)
+            guesses = self.drafter.propose(seqs) if seqs else []
+        except Exception:  # a failing drafter costs prediction quality, never requests
+            logger.exception("the drafter failed; these sequences predict with their own query this step")
+            guesses = [None] * len(seqs)
+        for seq, guess in zip(seqs, guesses):
+            seq.draft_token = guess
 
     def _release_draft(self, seq: Sequence) -> None:
         seq.draft_token = None

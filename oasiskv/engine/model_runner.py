@@ -7,6 +7,7 @@ results to the host once per step. Knows nothing about scheduling policy or text
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig):
         self.config, self.model_config = config, model_config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # weights, pools and graphs live on it
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         max_len = config.max_model_len or model_config.max_position_embeddings
         self.model = load_model(model_path, model_config, self.dtype, self.device,
@@ -99,12 +102,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the model over the batch's new tokens -> final hidden states ``[T, hidden]``."""
-        fb = self._prepare(batch)
-        if not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch)):
-            return self.graphs.run(fb)
-        with forward_context(fb, self.backend):
-            return self.model(fb.input_ids, fb.positions)
+        """Run the model over the batch's new tokens -> final hidden states ``[T, hidden]``. Runs with
+        the engine's GPU current (Triton launches on the current device; callers may be other threads)."""
+        with self._device_scope():
+            fb = self._prepare(batch)
+            if not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch)):
+                return self.graphs.run(fb)
+            with forward_context(fb, self.backend):
+                return self.model(fb.input_ids, fb.positions)
+
+    def _device_scope(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     @torch.inference_mode()
     def next_token_logits(self, batch: ScheduledBatch, hidden: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
@@ -149,7 +157,7 @@ class ModelRunner:
                             self._to_device(ctx, torch.int32), list(batch.num_tokens),
                             [s.num_computed_tokens for s in batch.seqs],
                             self._to_device([s.kv_slot for s in batch.seqs], torch.int32),
-                            [s.num_computed_tokens + n == len(s) for s, n in zip(batch.seqs, batch.num_tokens)],
+                            [_ends_prefill(s, n) for s, n in zip(batch.seqs, batch.num_tokens)],
                             self._to_device(draft_of, torch.long) if draft_of else None)
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> StepResult:
@@ -212,6 +220,13 @@ class ModelRunner:
         if seq.sampler_generator is None:
             seq.sampler_generator = torch.Generator(self.device).manual_seed(seq.params.seed)
         return seq.sampler_generator
+
+
+def _ends_prefill(seq: Sequence, n: int) -> bool:
+    """Whether computing ``n`` more tokens ends ``seq``'s prefill: all its tokens, or (a sequence being
+    recomputed after preemption, which already has outputs) all but the last, which decode computes."""
+    done = seq.num_computed_tokens + n
+    return done == len(seq) or (bool(seq.output_token_ids) and done == len(seq) - 1)
 
 
 def _logprob_lists(chosen, top_ids, top_lps) -> list[tuple[float, list[int], list[float]]]:

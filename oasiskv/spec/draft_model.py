@@ -3,8 +3,9 @@
 It runs its own dense engine (own weights, own paged KV cache) over mirrors of the target's
 sequences. Each call feeds every mirror the target's newest token in place of the guess the mirror
 made last time (teacher forcing), runs the draft model until every mirror has scored its newest
-token, and returns the argmaxes. A mirror that fell out of step with its sequence (preemption,
-recomputation) is rebuilt from the sequence's tokens.
+token (a mirror that has its guess sits out the rest of the call), and returns the argmaxes. Mirrors
+of sequences not in the call are dropped; a mirror that fell out of step with its sequence
+(preemption, recomputation) is rebuilt from the sequence's tokens.
 """
 from __future__ import annotations
 
@@ -35,16 +36,20 @@ class ModelDrafter(Drafter):
             m.token_ids[-1] = m.output_token_ids[-1] = seq.token_ids[-1]
             return m
         if m is not None:
-            self.release(seq)
+            self._drop(seq.seq_id)
         rid = self.engine.add_request(list(seq.token_ids), _MIRROR, request_id=f"mirror-{seq.seq_id}")
         m = self.engine.requests[rid].seq
         self.mirrors[seq.seq_id] = m
         return m
 
     def propose(self, seqs):
+        wanted = {s.seq_id for s in seqs}
+        for seq_id in [i for i in self.mirrors if i not in wanted]:  # preempted or paused: rebuilt on return
+            self._drop(seq_id)
         want = {id(self._sync(s)): i for i, s in enumerate(seqs)}
         guesses: list[int | None] = [None] * len(seqs)
         sched, runner = self.engine.scheduler, self.engine.runner
+        parked = []  # mirrors that have their guess sit out the remaining steps of this call
         while any(g is None for g in guesses):
             batch = sched.schedule()
             if batch is None:
@@ -54,11 +59,16 @@ class ModelDrafter(Drafter):
             for row, m in enumerate(done):
                 token = int(logits[row].argmax())
                 m.append_token(token)  # placeholder: replaced by the target's token on the next call
-                if id(m) in want:
-                    guesses[want[id(m)]] = token
+                guesses[want[id(m)]] = token
+                sched.running.remove(m)
+                parked.append(m)
+        sched.running.extend(parked)
         return guesses
 
     def release(self, seq: Sequence) -> None:
-        m = self.mirrors.pop(seq.seq_id, None)
+        self._drop(seq.seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        m = self.mirrors.pop(seq_id, None)
         if m is not None:
             self.engine.abort(m.request_id)

@@ -6,7 +6,8 @@ projections read ``concat(input_layernorm(embed(token)), hidden_norm(fc(features
 first), Llama attention with RoPE, SwiGLU MLP; ``norm``; ``lm_head`` over a reduced draft vocabulary;
 ``d2t`` maps draft id -> target id (target = draft + d2t[draft]). Token embeddings are the target's.
 Alignment: position i combines the target's features at i with the embedding of token i+1 and
-predicts token i+2.
+predicts token i+2. Feature layer ids are read as "the residual stream after decoder layer i" (the
+fixture head's convention; some serving stacks take the stream *before* layer i instead).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from oasiskv.spec.base import Drafter
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32, max_positions: int = 0):
         super().__init__()
         h, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
         d = cfg.get("head_dim") or h // heads
@@ -42,7 +43,10 @@ class Eagle3Head(nn.Module):
         self.lm_head = lin(h, cfg["draft_vocab_size"])
         self.register_buffer("d2t", torch.zeros(cfg["draft_vocab_size"], dtype=torch.long))
         theta = cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
-        self.rotary = RotaryEmbedding(d, cfg.get("max_position_embeddings", 4096), RopeConfig(float(theta)))
+        scaling = cfg.get("rope_scaling") or {}
+        scaling = scaling if scaling.get("rope_type", scaling.get("type")) == "llama3" else None
+        positions = max(cfg.get("max_position_embeddings", 4096), max_positions)
+        self.rotary = RotaryEmbedding(d, positions, RopeConfig(float(theta), scaling))
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_ref(x, self.norms[name], self.eps)
@@ -86,7 +90,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Eagle3Head:
+def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                max_positions: int = 0) -> Eagle3Head:
     """Load an EAGLE-3 head folder (``config.json`` + ``model.safetensors``). Raises ValueError when a
     tensor is missing or has the wrong shape."""
     from safetensors.torch import load_file
@@ -94,7 +99,7 @@ def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     cfg = json.loads((path / "config.json").read_text())
     if "eagle_config" not in cfg or "draft_vocab_size" not in cfg:
         raise ValueError(f"{path} is not an EAGLE-3 head (config.json lacks eagle_config / draft_vocab_size)")
-    head = Eagle3Head(cfg, dtype)
+    head = Eagle3Head(cfg, dtype, max_positions)
     names = {"fc.weight": "fc.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "norm.weight": "norms.norm"}
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         names[f"midlayer.self_attn.{proj}.weight"] = f"{proj}.weight"
@@ -124,7 +129,14 @@ class Eagle3Drafter(Drafter):
         if target_model is None:
             raise ValueError("the eagle3 drafter needs the target model (its embeddings and features)")
         dtype = target_model.embed_tokens.weight.dtype
-        self.head = load_eagle3(path, dtype=dtype, device=device or target_model.embed_tokens.weight.device)
+        self.head = load_eagle3(path, dtype=dtype, device=device or target_model.embed_tokens.weight.device,
+                                max_positions=target_model.rotary.cos_sin.shape[0])
+        cfg, hidden = target_model.cfg, self.head.fc.weight.shape[0]
+        if hidden != cfg.hidden_size or max(self.head.aux_layers) >= cfg.num_layers:
+            raise ValueError(f"EAGLE-3 head {path} does not fit this model: hidden {hidden} vs {cfg.hidden_size}, "
+                             f"feature layers {self.head.aux_layers} of {cfg.num_layers}")
+        if int((torch.arange(len(self.head.d2t), device=self.head.d2t.device) + self.head.d2t).max()) >= cfg.vocab_size:
+            raise ValueError(f"EAGLE-3 head {path} maps draft ids past this model's vocabulary ({cfg.vocab_size})")
         self.aux_layers = self.head.aux_layers
         self.embed = target_model.embed_tokens
         self.caches: dict[int, dict] = {}

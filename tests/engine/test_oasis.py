@@ -40,6 +40,18 @@ def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw):
     assert alloc.num_free_blocks == alloc.num_total_blocks
 
 
+@pytest.mark.parametrize("draft", ["", "ngram"])
+def test_sequences_recomputed_in_chunks_are_reseeded(tmp_path, draft):
+    """A preempted sequence is recomputed in chunks that can stop one token short of its end (decode
+    computes that token): its working set must be seeded there, not only when a chunk ends a prompt."""
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    batch = prompts(8, seed=11)
+    llm = LLM(str(path), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.0004,
+              max_num_batched_tokens=40, draft=draft)
+    assert [o.token_ids for o in llm.generate(batch, GREEDY)] == dense_tokens(path, batch)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 def test_fixture_target_oasis_equals_dense(fixtures_path):
     import json
     target = str(fixtures_path / "target")
@@ -229,3 +241,10 @@ def test_eval_lookahead_measures_drafters_and_set_agreement(tmp_path):
     assert len(oracle["set_agreement_per_layer"]) == 2  # the demo model's layers
     mean = lambda r: sum(r["set_agreement_per_layer"]) / 2  # noqa: E731
     assert mean(oracle) >= mean(none) and mean(oracle) > 0.9
+
+
+def test_a_failing_drafter_costs_predictions_not_requests(tiny, monkeypatch):
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.01, draft="ngram")
+    monkeypatch.setattr(llm.engine.drafter, "propose", lambda seqs: [][len(seqs)])  # raises IndexError
+    outs = llm.generate(prompts(2, seed=8), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)

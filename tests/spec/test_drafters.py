@@ -46,6 +46,29 @@ def test_draft_model_mirror_equals_a_one_pass_forward(fixtures_path):
     assert not drafter.engine.has_unfinished()
 
 
+def test_draft_model_serves_sequences_that_join_at_different_times(fixtures_path):
+    draft = fixture_part(fixtures_path, "draft")
+    shared = make_drafter(f"model:{draft}", torch.device("cpu"))
+    ids = shared.engine.encode("\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"][:2]))
+    a, b = Sequence(ids[:150], SamplingParams()), Sequence(ids[300:420], SamplingParams())
+    got = [shared.propose([a])[0]]
+    for t in range(4):
+        a.append_token(ids[150 + t])
+        pair = shared.propose([a, b])
+        got += pair
+        b.append_token(ids[420 + t])
+    # the same guesses from drafters that each only ever saw one sequence
+    fresh_a, fresh_b = (make_drafter(f"model:{draft}", torch.device("cpu")) for _ in range(2))
+    a2, b2 = Sequence(ids[:150], SamplingParams()), Sequence(ids[300:420], SamplingParams())
+    want = [fresh_a.propose([a2])[0]]
+    for t in range(4):
+        a2.append_token(ids[150 + t])
+        want += [fresh_a.propose([a2])[0], fresh_b.propose([b2])[0]]
+        b2.append_token(ids[420 + t])
+    assert got == want
+    assert len(shared.engine.scheduler.running) == 2
+
+
 def write_random_eagle3(path, hidden=64, heads=4, kv_heads=2, inter=96, draft_vocab=32, vocab=100):
     from safetensors.torch import save_file
     path.mkdir()
