@@ -10,6 +10,7 @@ import torch
 
 from oasiskv.kernels.reference import paged_decode_ref
 from oasiskv.kernels.paged_decode import default_num_splits, paged_decode_attention
+from tests.helpers import capture_graph
 
 NAN = float("nan")
 
@@ -205,14 +206,7 @@ def test_paged_decode_cuda_graph_replay(cuda_device):
         paged_decode_attention(static_q, k_cache, v_cache, static_tables, static_lens, scale, out=static_out)
 
     fill(64)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
 
     for max_len in (64, 16 * max_blocks, 3000):
         fill(max_len)

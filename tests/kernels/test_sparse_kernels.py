@@ -17,6 +17,7 @@ from oasiskv.kernels.reference import block_minmax_ref, block_scores_ref, gather
 from oasiskv.kernels.sparse_decode import sparse_decode_attention
 from oasiskv.kernels.summaries import block_minmax
 from oasiskv.kernels.uva_gather import gather_blocks
+from tests.helpers import capture_graph
 
 NAN = float("nan")
 
@@ -382,14 +383,7 @@ def test_sparse_decode_cuda_graph_replay(cuda_device):
     def step():
         sparse_decode_attention(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     for seed in (8, 9, 10):
         new = _gpu_ws_case(cuda_device, seed=seed)
         for static, fresh in zip((q, ws_k, ws_v, ws_map, seq_slots, local_lens), new):
@@ -443,14 +437,7 @@ def test_gather_blocks_cuda_graph_reads_pinned_memory_at_replay(cuda_device):
     def step():
         gather_blocks(host_k, host_v, 1, ws_k, ws_v, src_block, src_head, dst_slot, num_programs=64)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     for seed in (14, 15):
         torch.cuda.synchronize()
         new = _pinned_case(cuda_device, seed=seed)
