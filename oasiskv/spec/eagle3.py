@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.config import RopeConfig
-from oasiskv.kernels.reference import rms_norm_ref
+from oasiskv.kernels.reference import qk_norm_rope_ref, rms_norm_ref
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.rotary import RotaryEmbedding
 from oasiskv.spec.base import Drafter
@@ -64,8 +64,7 @@ class Eagle3Head(nn.Module):
         q = self.q_proj(x).view(t, self.heads, self.head_dim)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        qk_norm_rope_ref(q, k, positions, self.rotary.cos_sin, None, None, self.eps)  # RoPE in place
         k, v = k.transpose(0, 1), v.transpose(0, 1)                       # [Hk, T, D]
         mask = None
         if cache is not None:
@@ -83,11 +82,6 @@ class Eagle3Head(nn.Module):
         h = h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
         draft = self.lm_head(self._norm("norm", h)).argmax(-1)
         return draft + self.d2t[draft]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
