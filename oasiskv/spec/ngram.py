@@ -1,24 +1,48 @@
 """``ngram`` drafter (prompt lookup): continue the most recent earlier occurrence of the sequence's
-last n tokens (n from ``max_n`` down to 1); with no match, repeat the last token."""
+last n tokens (n from ``max_n`` down to 1); with no match, repeat the last token.
+
+Each sequence keeps an index (n-gram -> the token that followed its latest occurrence), extended by
+the tokens added since the last step: O(max_n) per token instead of a scan of the whole sequence.
+"""
 from __future__ import annotations
 
 from oasiskv.spec.base import Drafter
 
 
-def ngram_guess(tokens: list[int], max_n: int = 3, window: int = 8192) -> int:
-    """The token that followed the latest earlier match of the last n tokens of ``tokens``."""
-    recent = tokens[-window:]
-    for n in range(min(max_n, len(recent) - 1), 0, -1):
-        tail = recent[-n:]
-        for start in range(len(recent) - n - 1, -1, -1):
-            if recent[start:start + n] == tail:
-                return recent[start + n]
-    return tokens[-1]
+class NgramIndex:
+    """Followers of every n-gram (n <= ``max_n``) of one growing token list, latest occurrence wins."""
+
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+        self.follower: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # tokens[:indexed] have their followers recorded
+
+    def guess(self, tokens: list[int]) -> int:
+        """The token that followed the latest earlier match of the last n tokens of ``tokens`` (which
+        extends the list seen before)."""
+        for p in range(max(1, self.indexed), len(tokens)):  # token p follows the n-grams ending at p - 1
+            for n in range(1, min(self.max_n, p) + 1):
+                self.follower[tuple(tokens[p - n:p])] = tokens[p]
+        self.indexed = len(tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
+            hit = self.follower.get(tuple(tokens[-n:]))
+            if hit is not None:
+                return hit
+        return tokens[-1]
+
+
+def ngram_guess(tokens: list[int], max_n: int = 3) -> int:
+    """One-off guess for ``tokens`` (a fresh index)."""
+    return NgramIndex(max_n).guess(tokens)
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, max_n: int = 3, window: int = 8192):
-        self.max_n, self.window = max_n, window
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+        self._index: dict[int, NgramIndex] = {}
 
     def propose(self, seqs):
-        return [ngram_guess(s.token_ids, self.max_n, self.window) for s in seqs]
+        return [self._index.setdefault(s.seq_id, NgramIndex(self.max_n)).guess(s.token_ids) for s in seqs]
+
+    def release(self, seq) -> None:
+        self._index.pop(seq.seq_id, None)

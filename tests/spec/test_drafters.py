@@ -8,7 +8,7 @@ import torch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.base import NoDrafter, make_drafter
-from oasiskv.spec.ngram import ngram_guess
+from oasiskv.spec.ngram import NgramIndex, ngram_guess
 from tests.conftest import fixture_part
 
 
@@ -17,6 +17,25 @@ def test_ngram_continues_the_latest_earlier_match():
     assert ngram_guess([5, 6, 1, 8, 2, 6]) == 1                      # falls back to a 1-gram
     assert ngram_guess([4, 5, 6]) == 6                                # no match: repeat the last token
     assert ngram_guess([3]) == 3
+
+
+def brute_force_guess(tokens, max_n=3):
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n]
+    return tokens[-1]
+
+
+def test_incremental_ngram_index_equals_a_scan_as_the_sequence_grows():
+    import random
+    rng = random.Random(0)
+    for _ in range(20):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+        index = NgramIndex()
+        for _ in range(40):
+            assert index.guess(tokens) == brute_force_guess(tokens)
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 3))]
 
 
 def test_make_drafter_parses_and_rejects():
