@@ -148,7 +148,14 @@ class EngineConfig:
                               "never read from MemTotal")
     score_alpha: float = _opt(1.0, "oasis: alpha in score = q.c + alpha*|q|.r over block min/max summaries")
     draft: str = _opt("", "oasis: lookahead drafter: '' = none (select with the current query, synchronous), "
-                      "'none' (predict with the previous query), 'ngram', or 'model:PATH' (a small LM)")
+                      "'none' (predict with the previous query), 'ngram', 'model:PATH' (a small LM with the same "
+                      "tokenizer) or 'eagle3:PATH' (an EAGLE-3 head for this model)")
+    prefetch: str = _opt("async", "oasis lookahead: where step t+1's selection and fetch run: async (side CUDA "
+                         "streams; the foreground waits per layer on an event), inline (on the foreground stream), "
+                         "off (never after seeding: the foreground's cost alone, for measurements)")
+    emulated_host_gib: float = _opt(0.0, "BENCHMARK ONLY: size the host-block allocator and the summaries for this "
+                                    "many GiB while the pinned store holds host_kv_gib; requests share physical "
+                                    "host blocks, so their KV contents are garbage", cli=False)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):
@@ -166,6 +173,10 @@ class EngineConfig:
             raise ValueError(f"kv_mode must be dense or oasis, got {self.kv_mode!r}")
         if self.draft and self.kv_mode != "oasis":
             raise ValueError("draft (lookahead) needs kv_mode=oasis")
+        if self.prefetch not in ("async", "inline", "off"):
+            raise ValueError(f"prefetch must be async, inline or off, got {self.prefetch!r}")
+        if self.emulated_host_gib < 0:
+            raise ValueError("emulated_host_gib must be >= 0")
         if self.topk_blocks < 1 or not 0.0 < self.fetch_ratio <= 1.0 or self.host_kv_gib < 0:
             raise ValueError("topk_blocks must be >= 1, fetch_ratio in (0, 1], host_kv_gib >= 0")
         parse_dtype(self.dtype)

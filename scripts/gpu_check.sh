@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session's work in one command: GPU tests, kernel micro-benchmark, dense decode sweep.
-# Usage: bash scripts/gpu_check.sh [tests] [kernels] [profile] [bench] [bench-quick]
-# (default: tests kernels bench)
+# One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
+# Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [profile] [bench] [bench-quick]
+#        [oasis-quick] [oasis-real] [oasis-emulated]      (default: tests kernels bench)
+# HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # Needs the fixture models in .fixtures/pycode-19m (or OASISKV_FIXTURES). Writes logs to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,13 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export OASISKV_FIXTURES=${OASISKV_FIXTURES:-$PWD/.fixtures/pycode-19m}
 stages=${*:-tests kernels bench}
 summary=()
+HOST_GIB=${HOST_GIB:-96}
+bench() {  # name, then bench flags: Qwen3-8B shape, random weights; table to the log, last lines shown
+  local name=$1; shift
+  python3 -m oasiskv.cli --log-level WARNING bench qwen3-8b --max-num-seqs 256 "$@" 2>&1 \
+    | tee "$OUT/$name.log" | grep -v '^{' | tail -8
+  summary+=("$name: $(grep -E '^(oasis|oasiskv)' "$OUT/$name.log" | awk '{print $1, $2, $3, $5, $6, $7, $11, $12}' | tr '\n' '|')")
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -20,6 +28,30 @@ for stage in $stages; do
     tests)
       python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/server tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
       summary+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")") ;;
+    oasis-tests)  # tiered KV and prefetch tests, all of them on the GPU (tiny models, fixture target)
+      python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/engine/test_oasis.py \
+        tests/engine/test_prefetch.py 2>&1 | tee "$OUT/oasis_tests.log" | tail -30
+      summary+=("oasis tests: $(tail -1 "$OUT/oasis_tests.log")") ;;
+    oasis-quick)
+      for draft in "" ngram; do
+        bench "quick-${draft:-sync}" --context-lens 16384 --concurrency 8 --output-lens 16 --kv-mode oasis \
+          --host-kv-gib 24 --draft "$draft"
+      done ;;
+    oasis-real)  # (a): the host store this machine's RAM holds; dense for reference
+      for mode in dense "" ngram; do
+        if [ "$mode" = dense ]; then
+          bench real-dense --context-lens 16384,32768 --concurrency max --output-lens 32 --max-num-seqs 64
+        else
+          bench "real-${mode:-sync}" --context-lens 16384,32768 --concurrency max --output-lens 32 \
+            --max-num-seqs 64 --kv-mode oasis --host-kv-gib "$HOST_GIB" --draft "$mode"
+        fi
+      done ;;
+    oasis-emulated)  # (b): a 700 GiB host emulated over 16 GiB (labelled); summaries stay real: HBM bounds it
+      for prefetch in async off; do
+        bench "emulated-$prefetch" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
+          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
+          --prefetch "$prefetch"
+      done ;;
     kernels)
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
       summary+=("kernels: $(tail -1 "$OUT/kernels.log" | cut -c1-300)") ;;

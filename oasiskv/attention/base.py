@@ -5,7 +5,10 @@ A backend owns the KV storage of every layer and computes attention for one laye
 before ``allocate`` for a prefill without prefix, storing nothing), calls ``allocate`` with the HBM
 budget it measured (None on CPU), then asks ``make_allocator`` for the matching ``KVAllocator`` the
 scheduler consults. A backend whose ``forward`` reads only the batch's tensors and never syncs the
-host can be captured in CUDA graphs (``supports_cuda_graphs``).
+host can be captured in CUDA graphs (``supports_cuda_graphs``): the graph runner pads a bucket with
+rows of context length 0 at seq slot ``padding_slot``, asks ``can_graph`` before each replay, and
+calls ``join_side_streams`` before a replay and at the end of each capture (a graph must end with
+every side stream joined).
 """
 from __future__ import annotations
 
@@ -19,6 +22,15 @@ from oasiskv.engine.kv_allocator import KVAllocator
 
 class AttentionBackend(ABC):
     supports_cuda_graphs: bool = True
+    padding_slot: int = -1  #: ``seq_slots`` value of graph padding rows
+    graph_draft_rows: bool = False  #: captured decode steps carry one lookahead draft row per sequence
+
+    def can_graph(self, batch: ForwardBatch) -> bool:
+        """Whether this decode step fits the captured layout (else it runs eagerly)."""
+        return batch.draft_of is None
+
+    def join_side_streams(self) -> None:
+        """Order the current stream after any work the backend left on side streams."""
 
     @abstractmethod
     def allocate(self, budget_bytes: int | None) -> None:

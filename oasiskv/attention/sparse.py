@@ -11,13 +11,21 @@ fills, summarise it and move it into the working set. Selection runs in one of t
 - synchronous retrieval (``draft`` empty): before attention, with the token's own query;
 - lookahead (``draft`` set): after attention, for step t+1, with the draft row's query (the guessed
   next token pushed through the layer next to the real one) or, without a guess, the real query.
-  Here it is applied at once; overlapping it with the next layers is the prefetch pipeline's job.
+  ``prefetch=async`` runs it on side streams (``kv/prefetch.py``): the foreground goes on with the
+  next layers and waits only on that layer's event at the next step; ``inline`` runs it here.
 With K >= the number of complete blocks and no cap, every block stays resident: dense attention.
+
+CUDA graphs: decode reads only the batch's tensors and device state (the step stamp ``_now`` is a
+device scalar), so it is captured like dense decode. Graph padding rows use a scratch working-set
+slot (``padding_slot``, never handed out) at position 0: they select, fetch and summarise nothing.
+With a drafter that guesses for every sequence the graph carries one draft row per row; a step where
+some sequence has no guess runs eagerly. Inside a graph the prefetch stages of layer l overlap layers
+l+1.. of the same step and are joined when the step ends (a graph cannot leave work pending); eager
+steps leave them pending until the next step reaches layer l.
 """
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -29,6 +37,7 @@ from oasiskv.kernels.dispatch import kernel
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
+from oasiskv.kv.prefetch import PrefetchPipeline
 from oasiskv.kv.summaries import SummaryStore
 from oasiskv.kv.working_set import WorkingSet
 
@@ -38,19 +47,12 @@ DEFAULT_HOST_GIB = 4.0
 CPU_HBM_BYTES = 4 << 30  # without a GPU, working sets + summaries get this much ordinary memory
 
 
-def host_blocks_for(gib: float, layout: TieredLayout, pinned: bool) -> int:
-    """Host blocks that ``gib`` GiB hold. Pinned memory comes from torch's caching host allocator,
-    which rounds every allocation up to a power of two: K and V (one allocation each) are then sized
-    to the largest power of two that fits, so nothing pinned goes unused (up to half the setting)."""
-    per_tensor = gib * 2**30 / 2
-    if pinned:
-        per_tensor = 2 ** math.floor(math.log2(per_tensor))
-    return int(per_tensor // (layout.host_block_bytes // 2))
+def host_blocks_for(gib: float, layout: TieredLayout) -> int:
+    """Host blocks that ``gib`` GiB hold (K and V)."""
+    return int(gib * 2**30 // layout.host_block_bytes)
 
 
 class SparseBackend(AttentionBackend):
-    supports_cuda_graphs = False  # synchronous selection branches on the host per step
-
     def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.config, self.device = config, device
         self.layout = TieredLayout(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
@@ -62,39 +64,57 @@ class SparseBackend(AttentionBackend):
         self.allocator: TieredAllocator | None = None
         cuda = device.type == "cuda"
         self._store, self._attend = kernel("store_kv", cuda), kernel("sparse_decode_attention", cuda)
-        self._now = 0
-        self._counters = torch.zeros(3, dtype=torch.long, device=device)  # hits, misses, fetched (no host sync)
-        self._decode_rows = 0
+        self._now = torch.zeros((), dtype=torch.long, device=device)  # decode step stamp (LRU key)
+        # hits, misses, fetched, decode rows: summed on the device, read once per step
+        self._counters = torch.zeros(4, dtype=torch.long, device=device)
+        self.pipeline = PrefetchPipeline(model_config.num_layers, device, config.prefetch == "async")
         #: callables (kind, layer, seq slots [N], top-K blocks [N, Hk, K']) told, per decode step and layer,
         #: the current query's top-K ("current") and, with lookahead, the predicted one for the next step
         self.observers: list = []
 
     # ---- storage ---------------------------------------------------------------------------------
     def allocate(self, budget_bytes: int | None) -> None:
-        lay = self.layout
-        num_host_blocks = host_blocks_for(self.config.host_kv_gib or DEFAULT_HOST_GIB, lay,
-                                          pinned=self.device.type == "cuda")
+        lay, pinned = self.layout, self.device.type == "cuda"
+        num_physical = host_blocks_for(self.config.host_kv_gib or DEFAULT_HOST_GIB, lay)
+        num_host_blocks = max(num_physical, host_blocks_for(self.config.emulated_host_gib, lay))
         summary_bytes = num_host_blocks * lay.summary_bytes_per_block
         budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes
         slots = min(self.config.max_num_seqs, (budget - summary_bytes) // lay.working_set_bytes)
         if slots < 1:
             raise RuntimeError(f"no HBM left for one working set ({lay.working_set_bytes / 2**20:.0f} MiB) after "
                                f"{summary_bytes / 2**30:.2f} GiB of summaries: lower host_kv_gib or topk_blocks")
-        self.host = HostStore(lay, num_host_blocks, pin=self.device.type == "cuda")
+        self.host = HostStore(lay, num_host_blocks, pin=pinned, num_physical=num_physical)
         self.summaries = SummaryStore(lay, num_host_blocks, self.device, self.config.score_alpha)
-        self.ws = WorkingSet(lay, int(slots), self.device)
+        self.ws = WorkingSet(lay, int(slots) + 1, self.device)  # + the graph padding rows' scratch slot
         logger.info("tiered KV: %d host blocks (%d tokens), %d working-set slots of K=%d blocks "
                     "(%.2f GiB HBM), summaries %.2f GiB HBM, fetch cap %d blocks/head/layer/step",
                     num_host_blocks, num_host_blocks * lay.block_size, slots, lay.topk_blocks,
                     slots * lay.working_set_bytes / 2**30, summary_bytes / 2**30, self.cap)
 
     def make_allocator(self) -> TieredAllocator:
-        self.allocator = TieredAllocator(self.host.num_blocks, self.ws.num_slots, self.layout.block_size)
+        self.allocator = TieredAllocator(self.host.num_blocks, self.padding_slot, self.layout.block_size)
         return self.allocator
 
     @property
     def max_tokens_per_seq(self) -> int:
         return self.host.num_blocks * self.layout.block_size
+
+    @property
+    def padding_slot(self) -> int:
+        return self.ws.num_slots - 1
+
+    @property
+    def graph_draft_rows(self) -> bool:
+        """Whether captured decode steps carry a draft row per sequence (a drafter that guesses)."""
+        return self.config.draft not in ("", "none")
+
+    def can_graph(self, batch: ForwardBatch) -> bool:
+        drafts = 0 if batch.draft_of is None else batch.draft_of.shape[0]
+        wanted = batch.context_lens.shape[0] if self.graph_draft_rows else 0
+        return not self.observers and drafts == wanted
+
+    def join_side_streams(self) -> None:
+        self.pipeline.join()
 
     def decode_read_bytes(self, context_lens: list[int]) -> int:
         """Working-set slots actually attended (at most K full blocks + the local block) plus the summaries
@@ -109,25 +129,30 @@ class SparseBackend(AttentionBackend):
         return total
 
     def step_stats(self) -> dict[str, float]:
-        hits, misses, fetched = self._counters.tolist()
-        rows, self._decode_rows = self._decode_rows, 0
+        self.pipeline.wait_selections()
+        hits, misses, fetched, rows = self._counters.tolist()
         self._counters.zero_()
         lay = self.layout
         alloc = self.allocator
         used_slots = alloc.num_seq_slots - len(alloc.free_slots)
-        return {"hits": hits, "misses": misses, "fetched_blocks": fetched, "deferred": misses - fetched,
-                "fetched_bytes": 2 * fetched * lay.slice_bytes, "hit_rate": hits / max(1, hits + misses),
-                "decode_rows": rows,
-                "host_bytes_in_use": (alloc.num_total_blocks - alloc.num_free_blocks) * lay.host_block_bytes,
-                "hbm_bytes_in_use": used_slots * lay.working_set_bytes
-                + self.host.num_blocks * lay.summary_bytes_per_block}
+        stats = {"hits": hits, "misses": misses, "fetched_blocks": fetched, "deferred": misses - fetched,
+                 "fetched_bytes": 2 * fetched * lay.slice_bytes, "hit_rate": hits / max(1, hits + misses),
+                 "decode_rows": rows,
+                 "host_bytes_in_use": (alloc.num_total_blocks - alloc.num_free_blocks) * lay.host_block_bytes,
+                 "hbm_bytes_in_use": used_slots * lay.working_set_bytes
+                 + self.host.num_blocks * lay.summary_bytes_per_block}
+        stall = self.pipeline.stall_seconds()
+        if stall is not None:  # timed only when measuring, on eager steps
+            stats["stall_seconds"] = stall
+        return stats
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if self.host is None:  # warm-up before storage exists
             return prefill_attention(q, k, v, batch, scale, None)
+        self.pipeline.wait(layer)  # this layer's working set is the foreground's again
         host_k, host_v = self.host.layer(layer)
-        self._store(k, v, host_k, host_v, batch.slot_mapping)
+        self._store(k, v, host_k, host_v, self.host.physical_slots(batch.slot_mapping))
         if batch.is_prefill:
             return self._prefill(layer, q, k, v, batch, scale)
         return self._decode(layer, q, k, v, batch, scale)
@@ -157,7 +182,7 @@ class SparseBackend(AttentionBackend):
         heads = self.layout.num_kv_heads
         blocks = host_blocks.long().repeat_interleave(heads)
         head = torch.arange(heads, device=blocks.device).repeat(host_blocks.numel())
-        self.summaries.update(layer, self.host.layer(layer)[0], blocks, head, blocks, head)
+        self.summaries.update(layer, self.host.layer(layer)[0], self.host.physical_blocks(blocks), head, blocks, head)
 
     def _seed(self, layer: int, q_last: torch.Tensor, table: torch.Tensor, length: int, slot: torch.Tensor) -> None:
         """First working set of a sequence whose prompt (``length`` tokens) is complete: its top-K blocks
@@ -175,22 +200,24 @@ class SparseBackend(AttentionBackend):
             self.ws.fetch(layer, self.host, slot, table[complete].long().view(1, 1, 1).expand(1, heads, 1), local)
 
     def _decode(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        lay = self.layout
-        B = lay.block_size
+        B = self.layout.block_size
         if layer == 0:
             self._now += 1
+            self._counters[3] += (batch.context_lens > 0).sum()
         n = batch.context_lens.shape[0]  # real rows; lookahead rows follow them
         slots, pos, tables = batch.seq_slots.long(), batch.positions[:n], batch.block_tables
         local_k, local_v = self.ws.local(layer)
         self._store(k[:n], v[:n], local_k, local_v, slots * B + pos % B)
-        if not self.config.draft:  # synchronous retrieval: select with this token's own query
-            self._select(layer, q[:n], slots, tables, pos // B)
+        lookahead = bool(self.config.draft)
+        if not lookahead and self.config.prefetch != "off":  # synchronous retrieval: this token's own query
+            with self.pipeline.stall():
+                self._count(self._select(layer, q[:n], slots, tables, pos // B))
         if self.observers:
             self._notify("current", layer, slots, self.summaries.scores(layer, q[:n], tables, (pos // B).int()))
         out = self._attend(q[:n], self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], batch.seq_slots,
                            (pos % B + 1).to(torch.int32), scale)
         self._complete_local_blocks(layer, slots, pos, tables)
-        if not self.config.draft:
+        if not lookahead:
             return out
         # lookahead: draft rows attend over the same working set, the real token and themselves (their
         # K/V sit in the local block just past the real token until the next token overwrites them);
@@ -204,20 +231,40 @@ class SparseBackend(AttentionBackend):
                                      batch.seq_slots[rows], (d_pos % B + 1).to(torch.int32), scale)
             out = torch.cat([out, out_draft])
             q_next = q_next.index_copy(0, rows, q[n:])
-        scores = self._select(layer, q_next, slots, tables, (pos + 1) // B)
-        if self.observers:
-            self._notify("predicted", layer, slots, scores)
+        self._prefetch(layer, q_next, slots, tables, (pos + 1) // B)
         return out
 
+    def _prefetch(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                  complete: torch.Tensor) -> None:
+        """Step t+1's selection and fetch for ``layer`` from the lookahead queries ``q`` ``[N, Hq, D]``."""
+        if self.config.prefetch == "off":
+            return
+        if self.observers:  # observers read the scores on the host: keep everything on one stream
+            self._count(self._select(layer, q, slots, tables, complete, notify="predicted"))
+            return
+
+        def select():
+            sel = self._select(layer, q, slots, tables, complete, fetch=False)
+            self._count(sel)
+            return sel
+
+        self.pipeline.launch(layer, select, lambda sel: self.ws.fetch(layer, self.host, slots, sel.src_block,
+                                                                       sel.dst_slot), keep=(q, slots, tables, complete))
+
     def _select(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                complete: torch.Tensor) -> torch.Tensor:
-        """Score each row's complete blocks with ``q``, apply the capped selection, fetch; returns scores."""
+                complete: torch.Tensor, fetch: bool = True, notify: str | None = None):
+        """Score each row's complete blocks with ``q``, plan the capped selection and (``fetch``) copy the
+        admitted blocks. Returns the ``Selection`` (its ``src_block`` as host ids)."""
         scores = self.summaries.scores(layer, q, tables, complete.to(torch.int32))
-        sel = self.ws.select_and_fetch(layer, self.host, slots, tables, scores, self.cap, self._now)
-        self._counters += torch.stack([sel.hits, sel.misses, sel.admitted])
-        if layer == 0:
-            self._decode_rows += len(q)
-        return scores
+        if notify:
+            self._notify(notify, layer, slots, scores)
+        sel = self.ws.plan(layer, slots, tables, scores, self.cap, self._now)
+        if fetch:
+            self.ws.fetch(layer, self.host, slots, sel.src_block, sel.dst_slot)
+        return sel
+
+    def _count(self, sel) -> None:
+        self._counters[:3] += torch.stack([sel.hits, sel.misses, sel.admitted])
 
     def _complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor) -> None:
         """Rows whose local block just filled: summarise it and move it into the working set."""

@@ -3,7 +3,13 @@
 For each point, ``concurrency`` requests with random prompt tokens of ``context`` length are
 prefilled (not timed), then every decode step is timed. Reported per point: output tok/s, TPOT
 (ms per decode step), mean running batch, KV bytes read per step, achieved bytes/s (weights + KV per
-step over step time) and its ratio to the measured device copy bandwidth (the roofline). With
+step over step time) and its ratio to the measured device copy bandwidth (the roofline). In oasis
+mode also host->HBM bytes/s over PCIe and the foreground stall per step: time the decode stream
+waited for prefetch (async) or spent selecting and fetching (synchronous retrieval, inline), timed
+with CUDA events on eager steps; graph replays cannot be timed inside ("-"): there the exposed
+prefetch time is TPOT with ``--prefetch async`` minus TPOT with ``--prefetch off``. With
+``--emulated-host-gib`` requests share physical host blocks (a benchmark-only capacity emulation):
+every such point is labelled EMULATED in the table and the JSON. With
 ``--engine hf`` transformers' ``generate`` runs the same points in the same process as a baseline.
 Prints a table, writes an optional PNG, and ends with one JSON line.
 """
@@ -37,6 +43,7 @@ class Point:
     tpot_ms: float = 0.0
     kv_gb_per_step: float = 0.0
     pcie_gb_s: float = 0.0
+    stall_ms: float | None = None
     achieved_gb_s: float = 0.0
     roofline: float = 0.0
     note: str = ""
@@ -69,6 +76,11 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk-blocks", type=int, default=128, help="oasis: K")
     parser.add_argument("--fetch-ratio", type=float, default=0.05, help="oasis: f_HBM")
     parser.add_argument("--host-kv-gib", type=float, default=0.0, help="oasis: host store GiB (0 = 4)")
+    parser.add_argument("--draft", default="", help="oasis: '' = synchronous retrieval; none, ngram, ... = lookahead")
+    parser.add_argument("--prefetch", default="async", help="oasis lookahead: async, inline or off")
+    parser.add_argument("--emulated-host-gib", type=float, default=0.0,
+                        help="oasis, BENCHMARK ONLY: admit as if the host store held this many GiB; requests "
+                             "share the physical host blocks (--host-kv-gib) so PCIe traffic is real, contents not")
     parser.add_argument("--plot", default=None, help="write a PNG of tok/s per point here")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -86,12 +98,15 @@ def run_from_args(args: argparse.Namespace) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                           enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs,
                           kv_mode=args.kv_mode, topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio,
-                          host_kv_gib=args.host_kv_gib)
+                          host_kv_gib=args.host_kv_gib, draft=args.draft, prefetch=args.prefetch,
+                          emulated_host_gib=args.emulated_host_gib)
     points: list[Point] = []
     env = {}
     if "oasiskv" in engines:
         engine = LLMEngine(config)
         env = _environment(engine)
+        if config.kv_mode == "oasis":
+            engine.runner.backend.pipeline.measure = True
         grid = [(c, n, o) for c in contexts for n in concurrencies for o in outputs]
         for ctx, conc, out in tqdm(grid, desc="oasiskv bench", file=sys.stderr):
             points.append(bench_point(engine, ctx, conc, out, env, args.seed))
@@ -133,13 +148,24 @@ def _environment(engine: LLMEngine) -> dict:
         "weights_gb": weight_bytes(engine.runner.model) / 1e9,
         "kv_pool_tokens": engine.allocator.num_total_blocks * engine.config.block_size,
         "cuda_graphs": engine.runner.graphs is not None,
+        "emulated_host": _emulated(engine),
         "torch": torch.__version__,
     }
 
 
+def _emulated(engine: LLMEngine) -> str:
+    host = getattr(engine.runner.backend, "host", None)
+    if host is None or not host.emulated:
+        return ""
+    return f"EMULATED host: {host.num_blocks} block ids on {host.num_physical} physical blocks"
+
+
 def _label(engine: LLMEngine) -> str:
     c = engine.config
-    return "oasiskv" if c.kv_mode == "dense" else f"oasis-K{c.topk_blocks}"
+    if c.kv_mode == "dense":
+        return "oasiskv"
+    mode = "sync" if not c.draft else f"{c.draft.partition(':')[0]}-{c.prefetch}"
+    return f"oasis-K{c.topk_blocks}-{mode}" + ("-EMULATED" if _emulated(engine) else "")
 
 
 def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
@@ -161,7 +187,7 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for _ in range(n):
         engine.add_request([rng.randrange(1, vocab) for _ in range(context)], params)
-    steps, seconds, batch_sum, kv_bytes, fetched = 0, 0.0, 0, 0, 0
+    steps, seconds, batch_sum, kv_bytes, fetched, stall, timed = 0, 0.0, 0, 0, 0, 0.0, 0
     while engine.has_unfinished():
         lens = [len(seq) for seq in engine.scheduler.running]  # what a decode step attends to
         t0 = time.perf_counter()
@@ -172,6 +198,8 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
             steps, seconds, batch_sum = steps + 1, seconds + dt, batch_sum + s.last_batch_size
             kv_bytes += engine.runner.backend.decode_read_bytes(lens)
             fetched += s.kv.get("fetched_bytes", 0)
+            if s.kv.get("stall_seconds") is not None:
+                stall, timed = stall + s.kv["stall_seconds"], timed + 1
     if steps:
         point.batch = batch_sum / steps
         point.tok_s = batch_sum / seconds
@@ -180,8 +208,9 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.achieved_gb_s = (env["weights_gb"] + point.kv_gb_per_step) / (seconds / steps)
         point.roofline = point.achieved_gb_s / env["copy_gb_s"]
         point.pcie_gb_s = fetched / seconds / 1e9
-    if engine.stats.num_preemptions:
-        point.note = f"{engine.stats.num_preemptions} preemptions so far"
+        point.stall_ms = 1e3 * stall / timed if timed else None
+    notes = [f"{engine.stats.num_preemptions} preemptions so far"] if engine.stats.num_preemptions else []
+    point.note = "; ".join(notes + ([_emulated(engine)] if _emulated(engine) else []))
     return point
 
 
@@ -189,14 +218,20 @@ def print_table(points: list[Point], env: dict) -> None:
     print(f"\ndevice={env.get('device')} dtype={env.get('dtype')} copy_bw={env.get('copy_gb_s', 0):.0f} GB/s "
           f"weights={env.get('weights_gb', 0):.2f} GB kv_pool_tokens={env.get('kv_pool_tokens')} "
           f"cuda_graphs={env.get('cuda_graphs')}")
-    head = f"{'engine':12} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} {'TPOT ms':>8} " \
-           f"{'KV GB/step':>10} {'GB/s':>8} {'roofline':>8} {'PCIe GB/s':>9}  note"
+    if env.get("emulated_host"):
+        print(f"*** {env['emulated_host']}: requests share physical host blocks (capacity emulation, benchmark only)")
+    head = f"{'engine':30} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} {'TPOT ms':>8} " \
+           f"{'KV GB/step':>10} {'GB/s':>8} {'roofline':>8} {'PCIe GB/s':>9} {'stall ms':>8}  note"
     print(head)
     print("-" * len(head))
     for p in points:
-        print(f"{p.engine:12} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} {p.tok_s:9.1f} "
+        print(f"{p.engine:30} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} {p.tok_s:9.1f} "
               f"{p.tpot_ms:8.2f} {p.kv_gb_per_step:10.2f} {p.achieved_gb_s:8.0f} {p.roofline:8.2f} "
-              f"{p.pcie_gb_s:9.2f}  {p.note}")
+              f"{p.pcie_gb_s:9.2f} {_stall(p):>8}  {p.note}")
+
+
+def _stall(p: Point) -> str:
+    return "-" if p.stall_ms is None else f"{p.stall_ms:.2f}"
 
 
 def plot(points: list[Point], path: str) -> None:

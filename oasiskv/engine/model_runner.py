@@ -107,7 +107,8 @@ class ModelRunner:
         the engine's GPU current (Triton launches on the current device; callers may be other threads)."""
         with self._device_scope():
             fb = self._prepare(batch)
-            if not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch)):
+            if (not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch))
+                    and self.backend.can_graph(fb)):
                 return self.graphs.run(fb)
             with forward_context(fb, self.backend):
                 return self.model(fb.input_ids, fb.positions)

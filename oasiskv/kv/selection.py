@@ -36,7 +36,8 @@ def plan_selection(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Te
     """Plan one layer's selection and update the residency tables in place.
 
     scores ``[N, Hk, M]`` float32, -inf for blocks that do not exist; ws_map ``[N, Hk, K]`` int logical
-    block per slot (-1 empty); ws_last ``[N, Hk, K]`` int64 last-selected stamps; ``now`` the step's stamp.
+    block per slot (-1 empty); ws_last ``[N, Hk, K]`` int64 last-selected stamps; ``now`` the step's stamp
+    (an int or a 0-d device tensor).
     ``ws_map``/``ws_last`` are per-row copies (gathered by the caller) and are updated in place.
     """
     n, heads, m = scores.shape
@@ -72,7 +73,7 @@ def scatter_where(table: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, 
     """``table[..., index[..., i]] = value[..., i]`` where ``mask[..., i]`` (rows of the last dim),
     through a scratch column so masked-out entries write nowhere. Returns the result (``out`` if given)."""
     ext = torch.cat([table, table.new_zeros(*table.shape[:-1], 1)], dim=-1)
-    values = value if isinstance(value, torch.Tensor) else torch.full_like(index, value)
+    values = value.expand_as(index) if isinstance(value, torch.Tensor) else torch.full_like(index, value)
     ext.scatter_(-1, torch.where(mask, index, table.shape[-1]).long(), values.to(table.dtype))
     result = ext[..., :-1]
     return out.copy_(result) if out is not None else result

@@ -42,9 +42,17 @@ class WorkingSet:
         self.last[layer][slots] = 0
 
     def select_and_fetch(self, layer: int, host: HostStore, slots: torch.Tensor, block_tables: torch.Tensor,
-                         scores: torch.Tensor, cap: int, now: int) -> Selection:
+                         scores: torch.Tensor, cap: int, now: int | torch.Tensor) -> Selection:
         """Apply a selection for rows ``slots`` ``[N]`` from ``scores`` ``[N, Hk, M]`` and copy the admitted
         blocks' slices from the host store into their slots."""
+        sel = self.plan(layer, slots, block_tables, scores, cap, now)
+        self.fetch(layer, host, slots, sel.src_block, sel.dst_slot)
+        return sel
+
+    def plan(self, layer: int, slots: torch.Tensor, block_tables: torch.Tensor, scores: torch.Tensor,
+             cap: int, now: int | torch.Tensor) -> Selection:
+        """Update the residency tables of rows ``slots`` for a selection from ``scores``; the returned
+        ``src_block`` holds host block ids (from ``block_tables``) to copy into ``dst_slot``."""
         K = self.layout.topk_blocks
         ws_map = self.map[layer][slots, :, :K]
         ws_last = self.last[layer][slots]
@@ -52,7 +60,7 @@ class WorkingSet:
         self.map[layer][slots, :, :K] = ws_map
         self.last[layer][slots] = ws_last
         host_ids = block_tables.long().gather(1, sel.src_block.clamp(min=0).flatten(1)).view_as(sel.src_block)
-        self.fetch(layer, host, slots, torch.where(sel.src_block >= 0, host_ids, -1), sel.dst_slot)
+        sel.src_block = torch.where(sel.src_block >= 0, host_ids, -1)
         return sel
 
     def fetch(self, layer: int, host: HostStore, slots: torch.Tensor, host_blocks: torch.Tensor,
@@ -60,13 +68,14 @@ class WorkingSet:
         """Copy host blocks ``host_blocks`` ``[N, Hk, X]`` (-1 = skip) of head h into working-set slot
         ``dst_slots[n, h, x]`` of sequence slot ``slots[n]``."""
         n, heads, x = host_blocks.shape
+        host_blocks = host.physical_blocks(host_blocks)
         head = self._heads.view(1, heads, 1).expand(n, heads, x)
         flat_dst = (slots.long().view(n, 1, 1) * heads + head) * self.layout.slots + dst_slots.clamp(min=0)
         self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], host_blocks.flatten(),
                      head.flatten(), flat_dst.flatten())
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor, block: torch.Tensor,
-                      now: int) -> None:
+                      now: int | torch.Tensor) -> None:
         """Rows ``done`` ``[N]`` completed their local block (logical index ``block`` ``[N]``): per head it
         moves into an empty slot, else the least recently selected one (the paper's rule for newly
         generated blocks; no fetch, so no cap)."""

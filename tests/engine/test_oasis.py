@@ -188,7 +188,7 @@ def test_bench_reports_oasis_points_with_pcie_traffic():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     point = json.loads(out.stdout.strip().splitlines()[-1])["points"][0]
-    assert point["engine"] == "oasis-K4" and point["tok_s"] > 0 and point["pcie_gb_s"] > 0
+    assert point["engine"] == "oasis-K4-sync" and point["tok_s"] > 0 and point["pcie_gb_s"] > 0
     assert "PCIe GB/s" in out.stdout
 
 
