@@ -79,9 +79,10 @@ class SparseBackend(AttentionBackend):
         num_host_blocks = max(num_physical, host_blocks_for(self.config.emulated_host_gib, lay))
         summary_bytes = num_host_blocks * lay.summary_bytes_per_block
         budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes
-        slots = min(self.config.max_num_seqs, (budget - summary_bytes) // lay.working_set_bytes)
+        # one working set more than the slots handed out: the scratch slot of graph padding rows
+        slots = min(self.config.max_num_seqs, (budget - summary_bytes) // lay.working_set_bytes - 1)
         if slots < 1:
-            raise RuntimeError(f"no HBM left for one working set ({lay.working_set_bytes / 2**20:.0f} MiB) after "
+            raise RuntimeError(f"no HBM left for two working sets ({lay.working_set_bytes / 2**20:.0f} MiB) after "
                                f"{summary_bytes / 2**30:.2f} GiB of summaries: lower host_kv_gib or topk_blocks")
         self.host = HostStore(lay, num_host_blocks, pin=pinned, num_physical=num_physical)
         self.summaries = SummaryStore(lay, num_host_blocks, self.device, self.config.score_alpha)
@@ -109,6 +110,7 @@ class SparseBackend(AttentionBackend):
         return self.config.draft not in ("", "none")
 
     def can_graph(self, batch: ForwardBatch) -> bool:
+        # a draft row for every sequence means draft_of == arange(n) (the runner lists them in order)
         drafts = 0 if batch.draft_of is None else batch.draft_of.shape[0]
         wanted = batch.context_lens.shape[0] if self.graph_draft_rows else 0
         return not self.observers and drafts == wanted
@@ -216,7 +218,7 @@ class SparseBackend(AttentionBackend):
             self._notify("current", layer, slots, self.summaries.scores(layer, q[:n], tables, (pos // B).int()))
         out = self._attend(q[:n], self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], batch.seq_slots,
                            (pos % B + 1).to(torch.int32), scale)
-        self._complete_local_blocks(layer, slots, pos, tables)
+        self._complete_local_blocks(layer, slots, pos, tables, batch.context_lens > 0)
         if not lookahead:
             return out
         # lookahead: draft rows attend over the same working set, the real token and themselves (their
@@ -242,23 +244,26 @@ class SparseBackend(AttentionBackend):
         if self.observers:  # observers read the scores on the host: keep everything on one stream
             self._count(self._select(layer, q, slots, tables, complete, notify="predicted"))
             return
+        now = self._now.clone()  # this step's stamp: the next step bumps _now before this stage may run
 
         def select():
-            sel = self._select(layer, q, slots, tables, complete, fetch=False)
+            sel = self._select(layer, q, slots, tables, complete, fetch=False, now=now)
             self._count(sel)
             return sel
 
         self.pipeline.launch(layer, select, lambda sel: self.ws.fetch(layer, self.host, slots, sel.src_block,
-                                                                       sel.dst_slot), keep=(q, slots, tables, complete))
+                                                                       sel.dst_slot),
+                             keep=(q, slots, tables, complete, now))
 
     def _select(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                complete: torch.Tensor, fetch: bool = True, notify: str | None = None):
+                complete: torch.Tensor, fetch: bool = True, notify: str | None = None,
+                now: torch.Tensor | None = None):
         """Score each row's complete blocks with ``q``, plan the capped selection and (``fetch``) copy the
         admitted blocks. Returns the ``Selection`` (its ``src_block`` as host ids)."""
         scores = self.summaries.scores(layer, q, tables, complete.to(torch.int32))
         if notify:
             self._notify(notify, layer, slots, scores)
-        sel = self.ws.plan(layer, slots, tables, scores, self.cap, self._now)
+        sel = self.ws.plan(layer, slots, tables, scores, self.cap, self._now if now is None else now)
         if fetch:
             self.ws.fetch(layer, self.host, slots, sel.src_block, sel.dst_slot)
         return sel
@@ -266,10 +271,12 @@ class SparseBackend(AttentionBackend):
     def _count(self, sel) -> None:
         self._counters[:3] += torch.stack([sel.hits, sel.misses, sel.admitted])
 
-    def _complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor) -> None:
-        """Rows whose local block just filled: summarise it and move it into the working set."""
+    def _complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
+                               real: torch.Tensor) -> None:
+        """Rows whose local block just filled: summarise it and move it into the working set. ``real``
+        ``[N]`` is False on graph padding rows (their table rows are stale: they must write nothing)."""
         lay, B = self.layout, self.layout.block_size
-        done = pos % B == B - 1
+        done = (pos % B == B - 1) & real
         host_block = tables.long().gather(1, (pos // B)[:, None])[:, 0]
         heads = self._heads(len(pos))
         local_k = self.ws.local(layer)[0]

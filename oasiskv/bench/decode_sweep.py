@@ -164,7 +164,10 @@ def _label(engine: LLMEngine) -> str:
     c = engine.config
     if c.kv_mode == "dense":
         return "oasiskv"
-    mode = "sync" if not c.draft else f"{c.draft.partition(':')[0]}-{c.prefetch}"
+    if c.draft:
+        mode = f"{c.draft.partition(':')[0]}-{c.prefetch}"
+    else:  # synchronous retrieval selects in line whatever --prefetch says, unless it is off
+        mode = "sync-off" if c.prefetch == "off" else "sync"
     return f"oasis-K{c.topk_blocks}-{mode}" + ("-EMULATED" if _emulated(engine) else "")
 
 

@@ -67,7 +67,7 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[bs] = self.model(view.input_ids, view.positions)
                     self.backend.join_side_streams()
-                self.aux[bs] = list(getattr(self.model, "aux_hidden_states", []))
+                self.aux[bs] = list(self.model.aux_hidden_states)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()
@@ -100,7 +100,8 @@ class CudaGraphRunner:
         s.seq_slots[bs:padded].fill_(self.backend.padding_slot)
         self.backend.join_side_streams()
         self.graphs[padded].replay()
-        if self.aux[padded]:  # drafters read the real rows' features after the step
+        if self.model.aux_layers:  # drafters read the real rows' features after the step
+            assert self.aux[padded], "graphs captured before the model's aux_layers were set"
             self.model.aux_hidden_states = [a[:bs] for a in self.aux[padded]]
         out = self.outputs[padded]
         return torch.cat([out[:bs], out[padded:padded + bs]]) if self.draft_rows else out[:bs]

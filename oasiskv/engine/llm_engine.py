@@ -93,6 +93,7 @@ class LLMEngine:
         if config.draft:
             self.drafter = make_drafter(config.draft, self.runner.device, self.runner.model)
             self.runner.model.aux_layers = self.drafter.aux_layers
+        self.runner.capture_graphs()
         self.max_model_len = self.runner.max_model_len
         self.allocator = self.runner.backend.make_allocator()
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)

@@ -71,7 +71,12 @@ class ModelRunner:
                            max_len, self.max_model_len, self.backend.max_tokens_per_seq)
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.graphs = None
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_graphs(self) -> None:
+        """Capture decode CUDA graphs (CUDA, not ``enforce_eager``, a backend that supports them). Call
+        once the model is final: e.g. after a drafter set ``model.aux_layers``, which the graphs record."""
+        config = self.config
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, min(config.max_graph_batch, config.max_num_seqs),
                                           self.max_blocks_per_seq, self.device)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 class HostStore:
     def __init__(self, layout: TieredLayout, num_blocks: int, pin: bool, num_physical: int | None = None):
-        num_physical = num_physical or num_blocks
+        num_physical = num_blocks if num_physical is None else num_physical
         if num_physical < 1:
             raise ValueError("the host store needs at least one block: raise host_kv_gib")
         self.layout, self.num_blocks, self.num_physical = layout, num_blocks, min(num_physical, num_blocks)
@@ -70,4 +70,11 @@ def _page_lock(owner: object, t: torch.Tensor) -> None:
     if int(err) != 0:
         raise RuntimeError(f"cannot page-lock {nbytes / 2**30:.1f} GiB of host memory for the host store "
                            f"(cudaHostRegister error {int(err)}): lower host_kv_gib")
-    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
+    weakref.finalize(owner, _unlock, t)
+
+
+def _unlock(t: torch.Tensor) -> None:
+    """Undo ``_page_lock`` once no queued copy can still read ``t`` (which stays alive until then)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

@@ -15,8 +15,8 @@ allocator may hand that memory out again. Temporaries a stage creates belong to 
 
 Without CUDA, or when not ``asynchronous``, a stage runs at once on the current stream: the same
 operations in the same order. An exception raised while launching a stage propagates to the caller
-(the engine finishes that step's requests with an error); a layer whose stage failed has nothing
-pending. Stall clock: with ``measure`` set, the foreground time spent waiting for stages (async) or
+(the engine finishes that step's requests with an error) after the foreground has been ordered behind
+whatever the stage had already queued, so none of its inputs is reused under it. Stall clock: with ``measure`` set, the foreground time spent waiting for stages (async) or
 running them (inline / synchronous retrieval) is timed with CUDA events and read by ``stall_seconds``.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ class PrefetchPipeline:
         self.copy_delay_cycles = 0  # tests: hold the copy stream this many GPU cycles before each gather
         self._pending: list[Any] = [None] * num_layers
         self._marks: list = []
-        self._stall_host = 0.0
+        self._stall_host: float | None = None
         self._last_selected: torch.cuda.Event | None = None
         self._launched = False  # side streams hold work not yet joined
         if self.asynchronous:
@@ -56,15 +56,20 @@ class PrefetchPipeline:
         self._start[layer].record()
         self._launched = True
         self.select_stream.wait_event(self._start[layer])
-        with torch.cuda.stream(self.select_stream):
-            plan = select()
-        self._selected[layer].record(self.select_stream)
-        self._last_selected = self._selected[layer]
-        self.copy_stream.wait_event(self._selected[layer])
-        with torch.cuda.stream(self.copy_stream):
-            if self.copy_delay_cycles:
-                torch.cuda._sleep(self.copy_delay_cycles)
-            copy(plan)
+        plan = None
+        try:
+            with torch.cuda.stream(self.select_stream):
+                plan = select()
+            self._selected[layer].record(self.select_stream)
+            self._last_selected = self._selected[layer]
+            self.copy_stream.wait_event(self._selected[layer])
+            with torch.cuda.stream(self.copy_stream):
+                if self.copy_delay_cycles:
+                    torch.cuda._sleep(self.copy_delay_cycles)
+                copy(plan)
+        except BaseException:
+            self.join()  # ``keep`` and ``plan`` are still referenced here
+            raise
         self._ready[layer].record(self.copy_stream)
         self._pending[layer] = (keep, plan)
 
@@ -103,7 +108,7 @@ class PrefetchPipeline:
         if not self.cuda:
             t0 = time.perf_counter()
             yield
-            self._stall_host += time.perf_counter() - t0
+            self._stall_host = (self._stall_host or 0.0) + time.perf_counter() - t0
             return
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -114,9 +119,9 @@ class PrefetchPipeline:
     def stall_seconds(self) -> float | None:
         """Foreground stall time since the last call (waits for the timed events); None when nothing was
         timed (not measuring, or the steps were graph replays: events inside a graph are not timed)."""
-        if not self._marks and not self._stall_host:
+        if not self._marks and self._stall_host is None:
             return None
-        total, self._stall_host = self._stall_host, 0.0
+        total, self._stall_host = self._stall_host or 0.0, None
         for begin, end in self._marks:
             end.synchronize()
             total += begin.elapsed_time(end) / 1e3

@@ -1,6 +1,9 @@
 """The lookahead prefetch pipeline: modes agree, the stage's failures reach only their requests, and
 (on the GPU) the side streams keep event order even when the copy stage is slowed, with no host sync
-on the decode path. Also the benchmark-only emulated host capacity."""
+on the decode path. Also the benchmark-only emulated host capacity.
+
+Without CUDA ``async`` runs its stages in line, so the async-vs-inline tests only compare two code
+paths on the GPU (``scripts/gpu_check.sh oasis-tests`` runs this whole file there)."""
 import json
 import random
 
@@ -93,6 +96,11 @@ def test_emulated_host_admits_past_the_physical_store_and_shares_its_blocks(tiny
     assert host.emulated and alloc.num_total_blocks == host.num_blocks >= 10 * host.num_physical
     ids = torch.tensor([-1, 0, host.num_physical + 3, 5 * host.num_physical + 1])
     assert host.physical_blocks(ids).tolist() == [-1, 0, 3, 1]
+    summaries = llm.engine.runner.backend.summaries.tables[0]
+    assert summaries.shape[0] == host.num_blocks, "summaries stay per block id: their HBM cost is real"
+    from oasiskv.kv.host_store import HostStore
+    with pytest.raises(ValueError, match="at least one block"):
+        HostStore(host.layout, host.num_blocks, pin=False, num_physical=0)
     engine, peak = llm.engine, 0
     for p in prompts(6, lo=100, hi=101, seed=25):
         engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -176,9 +184,14 @@ def test_cuda_graph_oasis_decode_equals_eager(cuda_device, fixtures_path, draft)
     want, totals = run(eager, batch, FIXTURE_PARAMS)
     del eager
     graphs = oasis_fixture_llm(fixtures_path, draft=draft)
-    assert graphs.engine.runner.graphs is not None
-    assert graphs.engine.runner.graphs.draft_rows == (draft == "ngram")
+    runner = graphs.engine.runner.graphs
+    assert runner is not None and runner.draft_rows == (draft == "ngram")
+    replays, real_run = [], runner.run
+    runner.run = lambda batch: replays.append(batch.num_tokens) or real_run(batch)
     got, graph_totals = run(graphs, batch, FIXTURE_PARAMS)
+    assert len(replays) >= FIXTURE_PARAMS.max_tokens - 2, "decode steps must replay graphs"
+    if draft == "ngram":
+        assert all(n == 2 * len(batch) for n in replays[:1]), "replays carry a draft row per sequence"
     assert_same_run(got, want)
     assert graph_totals == totals and totals["fetched_blocks"] > 0
 
