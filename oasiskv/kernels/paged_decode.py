@@ -32,6 +32,44 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
+def _load_q(q_ptr, row, stride_qb, stride_qh, q_heads, g_mask, offs_d):
+    """The G query heads ``q_heads`` of ``row`` as float32 ``[BLOCK_G, HEAD_DIM]`` (masked rows 0)."""
+    return tl.load(q_ptr + row * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+                   mask=g_mask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of online softmax in the log2 domain: scores ``q @ kt`` (``[BLOCK_G, TILE]``, -inf
+    where not ``valid``) -> (p, alpha, m_new, l_new); the caller rescales its accumulator by alpha and
+    adds ``p @ v``. While no valid token has been seen (m_new = -inf) exp2 is kept away from NaN."""
+    s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, row, split, num_splits,
+                 num_kv_heads, q_heads, g_mask, offs_d, stride_ob, stride_oh,
+                 G: tl.constexpr, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
+    """DIRECT (one split): normalise and write ``out``; else write the split's partial (m, l, acc) to
+    the workspace for ``_decode_reduce_kernel``."""
+    if DIRECT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        ws = (row * num_kv_heads * G + q_heads) * num_splits + split
+        tl.store(m_ws_ptr + ws, m_i, mask=g_mask)
+        tl.store(l_ws_ptr + ws, l_i, mask=g_mask)
+        tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
@@ -60,8 +98,7 @@ def _decode_split_kernel(
     q_heads = kv_head * G + offs_g
     g_mask = offs_g < G
 
-    q = tl.load(q_ptr + row * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q = _load_q(q_ptr, row, stride_qb, stride_qh, q_heads, g_mask, offs_d)
 
     ctx_len = tl.load(context_lens_ptr + row)
     ctx_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
@@ -85,26 +122,13 @@ def _decode_split_kernel(
         block_base = tl.load(bt_row + blk, mask=blk_ok, other=0).to(tl.int64) * stride_cb
 
         kt = tl.load(k_cache_ptr + block_base[None, :] + kt_in_block, mask=valid[None, :], other=0.0)
-        s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
+        p, alpha, m_new, l_i = _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION)
         v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if DIRECT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + row * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:
-        ws = (row * tl.num_programs(1) * G + q_heads) * num_splits + split
-        tl.store(m_ws_ptr + ws, m_i, mask=g_mask)
-        tl.store(l_ws_ptr + ws, l_i, mask=g_mask)
-        tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, row, split, num_splits,
+                 tl.num_programs(1), q_heads, g_mask, offs_d, stride_ob, stride_oh, G, HEAD_DIM, DIRECT)
 
 
 @triton.jit

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.paged_decode import _decode_reduce_kernel, _wave_size, default_num_splits
+from oasiskv.kernels.paged_decode import (_decode_reduce_kernel, _load_q, _softmax_tile, _store_split, _wave_size,
+                                          default_num_splits)
 
 _LOG2E = 1.4426950408889634
 # 64 KV tokens per inner-loop iteration (4 slots at B=16), as paged_decode; 4 warps (``_wave_size`` in
@@ -66,8 +67,7 @@ def _sparse_split_kernel(
     q_heads = kv_head * G + offs_g
     g_mask = offs_g < G
 
-    q = tl.load(q_ptr + row * stride_qn + q_heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q = _load_q(q_ptr, row, stride_qn, stride_qh, q_heads, g_mask, offs_d)
 
     seq = tl.load(seq_slots_ptr + row)
     local_len = tl.load(local_lens_ptr + row)
@@ -94,28 +94,14 @@ def _sparse_split_kernel(
         slot64 = slot.to(tl.int64)
 
         kt = tl.load(k_head + (slot64 * stride_kw)[None, :] + kt_in_slot, mask=valid[None, :], other=0.0)
-        s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A tile may hold no valid token (empty slots): keep exp2 away from (-inf) - (-inf).
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
+        # a tile may hold no valid token (empty slots): _softmax_tile keeps that finite
+        p, alpha, m_new, l_i = _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION)
         v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if DIRECT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + row * stride_on + q_heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:
-        ws = (row * tl.num_programs(1) * G + q_heads) * num_splits + split
-        tl.store(m_ws_ptr + ws, m_i, mask=g_mask)
-        tl.store(l_ws_ptr + ws, l_i, mask=g_mask)
-        tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, row, split, num_splits,
+                 tl.num_programs(1), q_heads, g_mask, offs_d, stride_on, stride_oh, G, HEAD_DIM, DIRECT)
 
 
 _waves: dict[tuple, int] = {}
