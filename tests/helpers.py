@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -59,3 +60,11 @@ def capture_graph(step):
     with torch.cuda.graph(graph):
         step()
     return graph
+
+
+def eval_prompts(fixtures_path, llm, n, length, seed=0):
+    """``n`` windows of ``length`` tokens at random offsets of the fixture's held-out text."""
+    text = "\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"][:40])
+    ids = llm.engine.encode(text)
+    rng = random.Random(seed)
+    return [ids[s:s + length] for s in (rng.randrange(0, len(ids) - length) for _ in range(n))]

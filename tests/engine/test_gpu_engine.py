@@ -1,20 +1,10 @@
 """GPU-only engine tests: CUDA graphs vs eager, GPU vs transformers, memory-sized KV pool."""
-import json
-import random
-
 import pytest
 
 from oasiskv import LLM, SamplingParams
-from tests.helpers import hf_greedy
+from tests.helpers import eval_prompts, hf_greedy
 
 pytestmark = pytest.mark.gpu
-
-
-def eval_prompts(fixtures_path, llm, n, length, seed=0):
-    text = "\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"][:40])
-    ids = llm.engine.encode(text)
-    rng = random.Random(seed)
-    return [ids[s:s + length] for s in (rng.randrange(0, len(ids) - length) for _ in range(n))]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -5,14 +5,13 @@ on the decode path. Also the benchmark-only emulated host capacity.
 Without CUDA ``async`` runs its stages in line, so the async-vs-inline tests only compare two code
 paths on the GPU (``scripts/gpu_check.sh oasis-tests`` runs this whole file there)."""
 import json
-import random
 
 import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
 from tests.engine.test_oasis import dense_tokens, prompts
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import eval_prompts, write_tiny_checkpoint
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
 
@@ -129,13 +128,6 @@ def test_bench_labels_emulated_points_and_reports_stall():
 
 # ---- GPU: side streams ---------------------------------------------------------------------------------
 
-def fixture_batch(fixtures_path, llm, n, length, seed=0):
-    text = "\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"][:40])
-    ids = llm.engine.encode(text)
-    rng = random.Random(seed)
-    return [ids[s:s + length] for s in (rng.randrange(0, len(ids) - length) for _ in range(n))]
-
-
 def oasis_fixture_llm(fixtures_path, **kw):
     kw = dict(dtype="float32", kv_mode="oasis", topk_blocks=8, fetch_ratio=0.25, host_kv_gib=0.5, draft="ngram",
               max_num_seqs=8) | kw
@@ -157,7 +149,7 @@ def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path
     """Each gather is held back ~10 ms on the copy stream: the foreground must wait for it (eager: on
     the layer's event at the next step; graphs: the join that ends every captured step)."""
     inline_llm = oasis_fixture_llm(fixtures_path, prefetch="inline", enforce_eager=True)
-    batch = fixture_batch(fixtures_path, inline_llm, 6, 700)
+    batch = eval_prompts(fixtures_path, inline_llm, 6, 700)
     want, totals = run(inline_llm, batch, FIXTURE_PARAMS)
     assert totals["fetched_blocks"] > 0
     del inline_llm
@@ -180,7 +172,7 @@ def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path
 @pytest.mark.parametrize("draft", ["", "none", "ngram"])
 def test_cuda_graph_oasis_decode_equals_eager(cuda_device, fixtures_path, draft):
     eager = oasis_fixture_llm(fixtures_path, draft=draft, enforce_eager=True)
-    batch = fixture_batch(fixtures_path, eager, 6, 700, seed=2)
+    batch = eval_prompts(fixtures_path, eager, 6, 700, seed=2)
     want, totals = run(eager, batch, FIXTURE_PARAMS)
     del eager
     graphs = oasis_fixture_llm(fixtures_path, draft=draft)
@@ -210,6 +202,6 @@ def test_lookahead_decode_step_never_syncs_the_host(cuda_device, fixtures_path, 
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(backend, "_decode", decode)
-    outs = llm.generate(fixture_batch(fixtures_path, llm, 4, 600, seed=1),
+    outs = llm.generate(eval_prompts(fixtures_path, llm, 4, 600, seed=1),
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert all(o.finish_reason == "length" and o.error is None for o in outs)
