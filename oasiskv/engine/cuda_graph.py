@@ -3,8 +3,9 @@
 Static buffers hold the largest bucket; a step of B sequences copies its ForwardBatch into the first
 B rows (lookahead draft rows, when the backend captures them, into rows b..b+B of bucket b) and
 replays the smallest bucket b >= B. Padding rows have slot -1 (nothing stored), context length 0
-(the decode kernel skips them) and the backend's ``padding_slot``. Block tables are ``max_blocks_per_seq`` wide so the graph's
-kernel grids never depend on the step's contents. All buckets share one memory pool.
+(the decode kernel skips them) and the backend's ``padding_slot``. Block tables are
+``max_blocks_per_seq`` wide so the graph's kernel grids never depend on the step's contents. All
+buckets share one memory pool.
 """
 from __future__ import annotations
 
@@ -85,12 +86,13 @@ class CudaGraphRunner:
         bs = batch.context_lens.shape[0]
         padded = next(b for b in self.buckets if b >= bs)
         s = self.static
-        for lo, src in ((0, slice(0, bs)), (padded, slice(bs, 2 * bs))):
-            if lo and not self.draft_rows:
-                break
+        parts = [(0, slice(0, bs), 0)]  # (first static row, the batch's rows, padding rows' position)
+        if self.draft_rows:
+            parts.append((padded, slice(bs, 2 * bs), 1))
+        for lo, src, pad_position in parts:
             s.input_ids[lo:lo + bs].copy_(batch.input_ids[src])
             s.positions[lo:lo + bs].copy_(batch.positions[src])
-            s.positions[lo + bs:lo + padded].fill_(1 if lo else 0)
+            s.positions[lo + bs:lo + padded].fill_(pad_position)
             s.slot_mapping[lo:lo + bs].copy_(batch.slot_mapping[src])
             s.slot_mapping[lo + bs:lo + padded].fill_(-1)
         s.block_tables[:bs, :batch.block_tables.shape[1]].copy_(batch.block_tables)

@@ -16,8 +16,10 @@ allocator may hand that memory out again. Temporaries a stage creates belong to 
 Without CUDA, or when not ``asynchronous``, a stage runs at once on the current stream: the same
 operations in the same order. An exception raised while launching a stage propagates to the caller
 (the engine finishes that step's requests with an error) after the foreground has been ordered behind
-whatever the stage had already queued, so none of its inputs is reused under it. Stall clock: with ``measure`` set, the foreground time spent waiting for stages (async) or
-running them (inline / synchronous retrieval) is timed with CUDA events and read by ``stall_seconds``.
+whatever the stage had already queued, so none of its inputs is reused under it.
+
+Stall clock: with ``measure`` set, the foreground time spent waiting for stages (async) or running
+them (inline / synchronous retrieval) is timed with CUDA events and read by ``stall_seconds``.
 """
 from __future__ import annotations
 
