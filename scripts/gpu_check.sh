@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
-# Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [profile] [bench] [bench-quick]
-#        [oasis-quick] [oasis-real] [oasis-emulated]      (default: tests kernels bench)
+# Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [gather] [profile] [profile-oasis]
+#        [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]   (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # Needs the fixture models in .fixtures/pycode-19m (or OASISKV_FIXTURES). Writes logs to $OUT.
 set -uo pipefail
@@ -60,10 +60,18 @@ for stage in $stages; do
         --concurrency 1,8,16,max --output-lens 64 --engine oasiskv,hf --hf-max-batch 8 \
         --max-num-seqs 64 --plot "$OUT/dense_sweep.png" 2>&1 | tee "$OUT/bench_dense.log" | grep -v '^{' | tail -30
       summary+=("bench: see table above") ;;
-    profile)
-      python3 scripts/profile_decode.py qwen3-8b 1 4096 2>&1 | tee "$OUT/profile_b1.log" | head -22
-      python3 scripts/profile_decode.py qwen3-8b 32 8192 2>&1 | tee "$OUT/profile_b32.log" | head -22
-      summary+=("profile: $(grep -h 'host wall' "$OUT"/profile_b*.log | tr '\n' ' ')") ;;
+    gather)  # UVA gather bandwidth and its overlap with model kernels on another stream
+      python3 -m oasiskv.bench.uva_gather 2>&1 | tee "$OUT/uva_gather.log" | grep -v '^{'
+      summary+=("gather: see table above") ;;
+    profile)  # dense decode, 32 x 8K: per-stream kernel time
+      python3 scripts/profile_decode.py qwen3-8b --context-lens 8192 --concurrency 32 --max-num-seqs 32 2>&1 \
+        | tee "$OUT/profile_dense.log" | grep -v '^{'
+      summary+=("profile: $(grep -h 'host wall' "$OUT"/profile_dense.log | tr '\n' ' ')") ;;
+    profile-oasis)  # the oasis-emulated point, prefetch async then off: per-stream kernel time
+      python3 scripts/profile_decode.py qwen3-8b --context-lens 32768 --concurrency "${EMU_CONC:-64}" \
+        --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
+        --compare-prefetch-off 2>&1 | tee "$OUT/profile_oasis.log" | grep -v '^{'
+      summary+=("profile-oasis: $(grep -h 'host wall' "$OUT"/profile_oasis.log | tr '\n' ' ')") ;;
     bench-quick)
       python3 -m oasiskv.cli --log-level WARNING bench qwen3-8b --context-lens 4096 --concurrency 1,8 \
         --output-lens 32 --engine oasiskv --max-num-seqs 16 --max-num-batched-tokens 8192 2>&1 \

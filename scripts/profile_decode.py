@@ -1,44 +1,161 @@
-"""Where a decode step's time goes: host wall time per step, GPU kernel time per step, top kernels.
+"""Where a decode step's time goes: host wall time per step, and per CUDA stream the GPU busy time,
+kernel count and top kernels, plus how much the streams run at the same time.
 
-python scripts/profile_decode.py [preset] [batch] [context]   (GPU; random weights)
+python scripts/profile_decode.py [oasiskv bench flags] [--profile-steps N] [--compare-prefetch-off]
+
+Takes the ``oasiskv bench`` flags (one context length and one concurrency), prefills that many
+random-token requests, runs warm-up steps, times ``--timed-steps`` decode steps on the host clock,
+then records ``--profile-steps`` steps with torch.profiler (CUPTI also sees kernels inside CUDA graph
+replays) and reads the trace: per stream, busy time (union of kernel intervals) per step; "overlap"
+is the time at least two streams run kernels; "idle" is the time inside the window no kernel runs
+(host work between steps). With ``--compare-prefetch-off`` (oasis lookahead) the same requests then
+run with step t+1's selection and fetch disabled (graphs recaptured), the foreground-only baseline.
+GPU only; random weights.
 """
+import argparse
+import dataclasses
+import json
+import os
 import sys
+import tempfile
 import time
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from oasiskv.config import EngineConfig
+from oasiskv.bench.decode_sweep import add_bench_flags, config_from_args
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersect(a, b) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def analyse(trace_path: str, steps: int, top: int) -> dict:
+    """Per-stream kernel time per step from a chrome trace (microseconds in, milliseconds out)."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return {"error": "no kernel events in the trace"}
+    by_stream: dict[str, list] = defaultdict(list)
+    for e in kernels:
+        by_stream[str(e.get("tid"))].append(e)
+    busy = {s: _union([(e["ts"], e["ts"] + e["dur"]) for e in evs]) for s, evs in by_stream.items()}
+    window = (min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels))
+    any_busy = _union([iv for ivs in busy.values() for iv in ivs])
+    overlap = []
+    streams = list(busy)
+    for i, a in enumerate(streams):
+        for b in streams[i + 1:]:
+            overlap += _intersect(busy[a], busy[b])
+    result = {"window_ms_per_step": (window[1] - window[0]) / steps / 1e3,
+              "gpu_busy_ms_per_step": _length(any_busy) / steps / 1e3,
+              "overlap_ms_per_step": _length(_union(overlap)) / steps / 1e3, "streams": {}}
+    for s, evs in sorted(by_stream.items(), key=lambda kv: -_length(busy[kv[0]])):
+        names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for e in evs:
+            names[e["name"]][0] += e["dur"]
+            names[e["name"]][1] += 1
+        ranked = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+        result["streams"][s] = {
+            "busy_ms_per_step": _length(busy[s]) / steps / 1e3, "kernels_per_step": len(evs) / steps,
+            "top": [(n[:70], t / steps / 1e3, c / steps) for n, (t, c) in ranked]}
+    return result
+
+
+def report(title: str, wall_ms: float, stats: dict) -> None:
+    print(f"== {title}: host wall {wall_ms:.2f} ms/step")
+    if "error" in stats:
+        print(stats["error"])
+        return
+    print(f"   kernel window {stats['window_ms_per_step']:.2f} ms/step, GPU busy {stats['gpu_busy_ms_per_step']:.2f}, "
+          f"streams overlapping {stats['overlap_ms_per_step']:.2f}")
+    for stream, s in stats["streams"].items():
+        print(f"   {stream}: busy {s['busy_ms_per_step']:.2f} ms/step, {s['kernels_per_step']:.0f} kernels/step")
+        for name, ms, count in s["top"]:
+            print(f"      {ms:7.3f} ms  x{count:<5.0f} {name}")
+
+
+def measure(engine: LLMEngine, timed: int, profiled: int, top: int) -> tuple[float, dict]:
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(timed):
+        engine.step()
+    wall_ms = (time.perf_counter() - t0) / timed * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return wall_ms, analyse(path, profiled, top)
+
+
 def main() -> None:
-    preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3-8b"
-    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-    context = int(sys.argv[3]) if len(sys.argv) > 3 else 4096
-    engine = LLMEngine(EngineConfig(model=preset, load_format="dummy", max_model_len=context + 64,
-                                    max_num_seqs=batch, max_num_batched_tokens=max(8192, context + 1)))
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_flags(parser)
+    parser.add_argument("--timed-steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=8, help="kernels listed per stream")
+    parser.add_argument("--compare-prefetch-off", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_decode.py needs a CUDA GPU")
+    context, concurrency = int(args.context_lens), int(args.concurrency)
+    phases = 2 if args.compare_prefetch_off else 1
+    args.output_lens = str(phases * (args.timed_steps + args.profile_steps + 5) + 2)
+    config = config_from_args(args)
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=int(args.output_lens), temperature=0.0, ignore_eos=True)
+    for i in range(concurrency):
         engine.add_request([(7 * i + j) % 1000 + 1 for j in range(context)], params)
+    t0 = time.perf_counter()
     while engine.stats.num_waiting or engine.stats.last_step_prefill or not engine.stats.num_steps:
         engine.step()
-    for _ in range(5):
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        engine.step()
-    wall = (time.perf_counter() - t0) / 20
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            engine.step()
-    events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) / 5
-    print(f"{preset} batch={batch} context={context}: host wall {wall * 1e3:.2f} ms/step, "
-          f"GPU kernels {gpu_us / 1e3:.2f} ms/step, graphs={engine.runner.graphs is not None}")
-    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    print(f"{args.model} {config.kv_mode} context={context} requests={concurrency} draft={config.draft!r} "
+          f"prefetch={config.prefetch} graphs={engine.runner.graphs is not None}; prefill "
+          f"{time.perf_counter() - t0:.1f} s; running {len(engine.scheduler.running)}")
+    wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
+    report(f"prefetch={config.prefetch}", wall, stats)
+    result = {"config": vars(args), "phases": [{"prefetch": config.prefetch, "wall_ms": wall, **stats}]}
+    if args.compare_prefetch_off:
+        backend = engine.runner.backend
+        backend.join_side_streams()
+        backend.config = dataclasses.replace(backend.config, prefetch="off")
+        engine.runner.capture_graphs()
+        wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
+        report("prefetch=off (same requests, graphs recaptured)", wall, stats)
+        result["phases"].append({"prefetch": "off", "wall_ms": wall, **stats})
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

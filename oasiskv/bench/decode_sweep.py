@@ -85,21 +85,28 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the bench flags describe (also used by ``scripts/profile_decode.py``)."""
+    contexts = [int(c) for c in _ints(args.context_lens)]
+    outputs = [int(o) for o in _ints(args.output_lens)]
+    from oasiskv.models.loader import preset_names
+    load_format = "dummy" if args.model in preset_names() else "auto"
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=load_format,
+                        max_model_len=max(contexts) + max(outputs) + 1,
+                        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                        enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs,
+                        kv_mode=args.kv_mode, topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio,
+                        host_kv_gib=args.host_kv_gib, draft=args.draft, prefetch=args.prefetch,
+                        emulated_host_gib=args.emulated_host_gib)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     contexts = [int(c) for c in _ints(args.context_lens)]
     outputs = [int(o) for o in _ints(args.output_lens)]
     concurrencies = _ints(args.concurrency)
     engines = _ints(args.engine)
-    from oasiskv.models.loader import preset_names
-    load_format = "dummy" if args.model in preset_names() else "auto"
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=load_format,
-                          max_model_len=max(contexts) + max(outputs) + 1,
-                          gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                          enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs,
-                          kv_mode=args.kv_mode, topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio,
-                          host_kv_gib=args.host_kv_gib, draft=args.draft, prefetch=args.prefetch,
-                          emulated_host_gib=args.emulated_host_gib)
+    config = config_from_args(args)
     points: list[Point] = []
     env = {}
     if "oasiskv" in engines:
@@ -130,7 +137,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         for ctx in contexts:
             for batch in batches:
                 for out in outputs:
-                    points.append(bench_hf(hf_model_path, load_format == "dummy", dtype, device, ctx,
+                    points.append(bench_hf(hf_model_path, config.load_format == "dummy", dtype, device, ctx,
                                            batch, out, env["copy_gb_s"], args.seed))
     print_table(points, env)
     if args.plot:

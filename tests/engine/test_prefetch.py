@@ -111,12 +111,13 @@ def test_emulated_host_admits_past_the_physical_store_and_shares_its_blocks(tiny
 
 
 def test_bench_labels_emulated_points_and_reports_stall():
+    """Eager steps (the stall is timed only outside graph replays)."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench", "qwen3-tiny",
                           "--context-lens", "256", "--concurrency", "2", "--output-lens", "16", "--kv-mode", "oasis",
                           "--topk-blocks", "4", "--fetch-ratio", "0.25", "--host-kv-gib", "0.001",
-                          "--emulated-host-gib", "0.01", "--draft", "none"],
+                          "--emulated-host-gib", "0.01", "--draft", "none", "--enforce-eager"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
