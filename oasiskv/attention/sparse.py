@@ -11,6 +11,8 @@ fills, summarise it and move it into the working set. Selection runs in one of t
 - synchronous retrieval (``draft`` empty): before attention, with the token's own query;
 - lookahead (``draft`` set): after attention, for step t+1, with the draft row's query (the guessed
   next token pushed through the layer next to the real one) or, without a guess, the real query.
+  Draft rows attend in the same kernel call as their rows (each K/V tile read once for both): the
+  real token's working set and local block plus their own K/V, which is never written anywhere.
   ``prefetch=async`` runs it on side streams (``kv/prefetch.py``): the foreground goes on with the
   next layers and waits only on that layer's event at the next step; ``inline`` runs it here.
 With K >= the number of complete blocks and no cap, every block stays resident: dense attention.
@@ -65,6 +67,7 @@ class SparseBackend(AttentionBackend):
         cuda = device.type == "cuda"
         self._store, self._attend = kernel("store_kv", cuda), kernel("sparse_decode_attention", cuda)
         self._now = torch.zeros((), dtype=torch.long, device=device)  # decode step stamp (LRU key)
+        self._draft_rows: torch.Tensor | None = None  # this decode step's q row of each row's draft
         # hits, misses, fetched, decode rows: summed on the device, read once per step
         self._counters = torch.zeros(4, dtype=torch.long, device=device)
         self.pipeline = PrefetchPipeline(model_config.num_layers, device, config.prefetch == "async")
@@ -213,28 +216,31 @@ class SparseBackend(AttentionBackend):
         lookahead = bool(self.config.draft)
         if not lookahead and self.config.prefetch != "off":  # synchronous retrieval: this token's own query
             with self.pipeline.stall():
-                self._count(self._select(layer, q[:n], slots, tables, pos // B))
+                self._select(layer, q[:n], slots, tables, pos // B)
         if self.observers:
             self._notify("current", layer, slots, self.summaries.scores(layer, q[:n], tables, (pos // B).int()))
-        out = self._attend(q[:n], self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], batch.seq_slots,
-                           (pos % B + 1).to(torch.int32), scale)
+        # draft rows (lookahead) attend in the same call: the real token's working set and local block,
+        # plus their own K/V passed in (never written to the working set)
+        if layer == 0:
+            self._draft_rows = self._draft_row_index(batch.draft_of, n)
+        extra = dict(draft_rows=self._draft_rows, extra_k=k, extra_v=v) if self._draft_rows is not None else {}
+        out = self._attend(q, self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], batch.seq_slots,
+                           (pos % B + 1).to(torch.int32), scale, **extra)
         self._complete_local_blocks(layer, slots, pos, tables, batch.context_lens > 0)
         if not lookahead:
             return out
-        # lookahead: draft rows attend over the same working set, the real token and themselves (their
-        # K/V sit in the local block just past the real token until the next token overwrites them);
-        # their queries (the real ones where a sequence has no draft) choose step t+1's working set.
-        q_next = q[:n]
-        if batch.draft_of is not None:
-            rows = batch.draft_of
-            d_pos = pos[rows] + 1
-            self._store(k[n:], v[n:], local_k, local_v, slots[rows] * B + d_pos % B)
-            out_draft = self._attend(q[n:], self.ws.k[layer], self.ws.v[layer], self.ws.map[layer],
-                                     batch.seq_slots[rows], (d_pos % B + 1).to(torch.int32), scale)
-            out = torch.cat([out, out_draft])
-            q_next = q_next.index_copy(0, rows, q[n:])
+        # step t+1's working set is chosen by the draft rows' queries (the real ones where there is no draft)
+        q_next = q[:n] if batch.draft_of is None else q[:n].index_copy(0, batch.draft_of, q[n:])
         self._prefetch(layer, q_next, slots, tables, (pos + 1) // B)
         return out
+
+    def _draft_row_index(self, draft_of: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """int32 ``[n]``: the q row of each row's draft (draft j is q row n + j), -1 where none."""
+        if draft_of is None:
+            return None
+        index = torch.full((n,), -1, dtype=torch.int32, device=self.device)
+        return index.index_copy_(0, draft_of, torch.arange(n, n + draft_of.shape[0], dtype=torch.int32,
+                                                           device=self.device))
 
     def _prefetch(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                   complete: torch.Tensor) -> None:
@@ -242,34 +248,27 @@ class SparseBackend(AttentionBackend):
         if self.config.prefetch == "off":
             return
         if self.observers:  # observers read the scores on the host: keep everything on one stream
-            self._count(self._select(layer, q, slots, tables, complete, notify="predicted"))
+            self._select(layer, q, slots, tables, complete, notify="predicted")
             return
         now = self._now.clone()  # this step's stamp: the next step bumps _now before this stage may run
 
-        def select():
-            sel = self._select(layer, q, slots, tables, complete, fetch=False, now=now)
-            self._count(sel)
-            return sel
-
-        self.pipeline.launch(layer, select, lambda sel: self.ws.fetch(layer, self.host, slots, sel.src_block,
-                                                                       sel.dst_slot),
+        self.pipeline.launch(layer, lambda: self._select(layer, q, slots, tables, complete, fetch=False, now=now),
+                             lambda plan: self.ws.fetch(layer, self.host, slots, *plan),
                              keep=(q, slots, tables, complete, now))
 
     def _select(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                 complete: torch.Tensor, fetch: bool = True, notify: str | None = None,
-                now: torch.Tensor | None = None):
-        """Score each row's complete blocks with ``q``, plan the capped selection and (``fetch``) copy the
-        admitted blocks. Returns the ``Selection`` (its ``src_block`` as host ids)."""
+                now: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score each row's complete blocks with ``q``, plan the capped selection (counted in the step's
+        counters) and (``fetch``) copy the admitted blocks. Returns the plan: (host block ids, slots)."""
         scores = self.summaries.scores(layer, q, tables, complete.to(torch.int32))
         if notify:
             self._notify(notify, layer, slots, scores)
-        sel = self.ws.plan(layer, slots, tables, scores, self.cap, self._now if now is None else now)
+        plan = self.ws.plan(layer, slots, tables, scores, self.cap, self._now if now is None else now,
+                            self._counters)
         if fetch:
-            self.ws.fetch(layer, self.host, slots, sel.src_block, sel.dst_slot)
-        return sel
-
-    def _count(self, sel) -> None:
-        self._counters[:3] += torch.stack([sel.hits, sel.misses, sel.admitted])
+            self.ws.fetch(layer, self.host, slots, *plan)
+        return plan
 
     def _complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
                                real: torch.Tensor) -> None:

@@ -1,16 +1,22 @@
-"""Host -> HBM gather bandwidth of ``gather_blocks`` reading pinned memory through UVA (GPU only).
+"""Host -> HBM gather bandwidth of ``gather_blocks`` reading pinned memory through UVA, and how well it
+overlaps model kernels on another stream (GPU only).
 
 Run ``python -m oasiskv.bench.uva_gather``. Conditions: a 2 GiB pinned host store in the tiered layout
 ``[num_host_blocks, num_layers, Hk, B, D]`` per K and V (bf16, Hk 8, B 16, D 128: 4 KiB per slice), one
 gather of 65,536 random slices (32,768 random (block, kv head) items of one layer, K and V each) into a
-working set, for each bound on the grid (``num_programs`` 16, 32, 64, 132, and one program per item
-for contrast). Times are medians of CUDA-event timings. GB/s counts bytes read from the host; they
-are printed next to the PCIe Gen5 x16 limit (~55 GB/s for one large cudaMemcpy on the H200 here) and
-next to a large pinned -> device ``copy_`` measured in the same run. Overlap: a foreground bf16 matmul
-loop on the current stream (sized to about the gather's time), the gather alone on a side stream, and
-both launched together; overlap = (fg + gather - both) / min(fg, gather), 1 = fully hidden, 0 = serial.
-Prints a table, then one JSON line. Expected well under a minute on an H200 (mostly pinning and
-filling the store).
+working set. Swept: the grid bound ``num_programs``, ``items_per_iter`` (items in flight per program),
+and the side stream's priority (normal or high), plus one program per item for contrast. Times are
+medians of CUDA-event timings. GB/s counts bytes read from the host; they are printed next to the PCIe
+Gen5 x16 limit (~55 GB/s for one large cudaMemcpy on the H200 here) and next to a large pinned ->
+device ``copy_`` measured in the same run.
+
+Overlap, against two foregrounds on the current stream, each sized to about the gather's time:
+``mm`` (4096^2 bf16 matmuls: compute bound, all SMs) and ``decode`` (a 128-row bf16 linear layer over
+a 4096 x 28672 weight, like a decode step's MLP: memory bound); the gather alone on a side stream,
+and both launched together; overlap = (fg + gather - both) / min(fg, gather), 1 = fully hidden,
+0 = serial, negative = worse than serial. Then the same with cuBLAS told to leave SMs free
+(``torch._C._set_sm_carveout_experimental``). Prints tables, then one JSON line. Expected about a
+minute on an H200 (mostly pinning and filling the store).
 """
 import json
 import statistics
@@ -22,7 +28,10 @@ NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM = 4, 8, 16, 128
 DTYPE = torch.bfloat16
 HOST_GIB = 2.0            # K and V stores together
 NUM_ITEMS = 32768         # (block, kv head) items per gather: 65,536 slices with K and V
-PROGRAMS = (16, 32, 64, 132)
+# (num_programs, items_per_iter, side stream priority: 0 normal, -1 high)
+VARIANTS = ((16, 1, 0), (32, 1, 0), (64, 1, 0), (132, 1, 0), (8, 4, 0), (16, 4, 0), (32, 4, 0), (8, 8, 0),
+            (16, 4, -1), (32, 4, -1), (64, 1, -1))
+CARVEOUTS = (0, 16, 32)
 PCIE_LIMIT_GBPS = 55.0    # one large cudaMemcpy, PCIe Gen5 x16 (docs: DESIGN section 3.7)
 REPS = 10
 
@@ -92,7 +101,6 @@ def main() -> None:
     slice_bytes = BLOCK_SIZE * HEAD_DIM * DTYPE.itemsize
     moved = 2 * NUM_ITEMS * slice_bytes
 
-    side = torch.cuda.Stream()
     main_stream = torch.cuda.current_stream()
     big = torch.empty(host_k.shape, dtype=DTYPE, device=dev)
     copy_ms = _median_ms(lambda: big.copy_(host_k, non_blocking=True), main_stream, reps=5)
@@ -100,13 +108,23 @@ def main() -> None:
     del big
 
     a = torch.randn(4096, 4096, device=dev, dtype=DTYPE)
-    b = torch.randn_like(a)
-    c = torch.empty_like(a)
-    mm_ms = _median_ms(lambda: torch.mm(a, b, out=c), main_stream)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    x = torch.randn(128, 4096, device=dev, dtype=DTYPE)
+    w = torch.randn(28672, 4096, device=dev, dtype=DTYPE)
+    y = torch.empty(128, 28672, device=dev, dtype=DTYPE)
+    units = {"mm": lambda: torch.mm(a, b, out=c), "decode": lambda: torch.matmul(x, w.t(), out=y)}
 
-    def gather(programs):
+    def gather(programs, items):
         return lambda: gather_blocks(host_k, host_v, layer, ws_k, ws_v, src_block, src_head, dst_slot,
-                                     num_programs=programs)
+                                     num_programs=programs, items_per_iter=items)
+
+    def overlap(fg_name, fn, gather_ms, side):
+        unit = units[fg_name]
+        reps = max(1, round(gather_ms / _median_ms(unit, main_stream)))
+        foreground = lambda: [unit() for _ in range(reps)]  # noqa: E731
+        fg_ms = _median_ms(foreground, main_stream)
+        both_ms = _together_ms(foreground, fn, side)
+        return fg_ms, both_ms, (fg_ms + gather_ms - both_ms) / min(fg_ms, gather_ms)
 
     name = torch.cuda.get_device_name()
     print(f"uva gather on {name}: {2 * NUM_ITEMS:,} random slices x {slice_bytes // 1024} KiB "
@@ -115,24 +133,44 @@ def main() -> None:
           f"B {BLOCK_SIZE}, D {HEAD_DIM}")
     print(f"pinned -> device copy_ of {host_k.numel() * host_k.element_size() / 2**30:.1f} GiB: "
           f"{copy_gbps:.1f} GB/s (PCIe Gen5 x16 limit ~{PCIE_LIMIT_GBPS:.0f} GB/s)")
-    print(f"{'programs':>8} {'gather ms':>9} {'GB/s':>6} {'%PCIe':>6} {'%copy_':>6} {'fg ms':>7} {'both ms':>8} "
-          f"{'overlap':>7}")
+    print(f"{'programs':>8} {'items':>5} {'prio':>5} {'gather ms':>9} {'GB/s':>6} {'%PCIe':>6} "
+          + " ".join(f"{f + ' fg/both ms':>17} {'overlap':>7}" for f in units))
     rows = []
-    for programs in PROGRAMS + (NUM_ITEMS,):
-        fn = gather(programs)
+    for programs, items, priority in VARIANTS + ((NUM_ITEMS, 1, 0),):
+        side = torch.cuda.Stream(priority=priority)
+        fn = gather(programs, items)
         ms = _median_ms(fn, side)
-        reps = max(1, round(ms / mm_ms))
-        foreground = lambda reps=reps: [torch.mm(a, b, out=c) for _ in range(reps)]  # noqa: E731
-        fg_ms = _median_ms(foreground, main_stream)
-        both_ms = _together_ms(foreground, fn, side)
-        overlap = (fg_ms + ms - both_ms) / min(fg_ms, ms)
         gbps = moved / ms / 1e6
-        rows.append({"num_programs": programs, "gather_ms": ms, "gbps": gbps, "fg_ms": fg_ms,
-                     "both_ms": both_ms, "overlap": overlap})
+        row = {"num_programs": programs, "items_per_iter": items, "priority": priority, "gather_ms": ms,
+               "gbps": gbps}
+        cells = []
+        for fg_name in units:
+            fg_ms, both_ms, ov = overlap(fg_name, fn, ms, side)
+            row[fg_name] = {"fg_ms": fg_ms, "both_ms": both_ms, "overlap": ov}
+            cells.append(f"{fg_ms:>8.3f}/{both_ms:<8.3f} {ov:>7.2f}")
+        rows.append(row)
         label = f"{programs}" if programs != NUM_ITEMS else f"{programs}*"
-        print(f"{label:>8} {ms:>9.3f} {gbps:>6.1f} {100 * gbps / PCIE_LIMIT_GBPS:>5.0f}% "
-              f"{100 * gbps / copy_gbps:>5.0f}% {fg_ms:>7.3f} {both_ms:>8.3f} {overlap:>7.2f}", flush=True)
+        print(f"{label:>8} {items:>5} {'high' if priority else 'norm':>5} {ms:>9.3f} {gbps:>6.1f} "
+              f"{100 * gbps / PCIE_LIMIT_GBPS:>5.0f}% " + " ".join(cells), flush=True)
     print("* one program per item (the unbounded grid the persistent kernel replaces)")
+
+    best = max(rows[:-1], key=lambda r: r["decode"]["overlap"])
+    programs, items, priority = best["num_programs"], best["items_per_iter"], best["priority"]
+    side = torch.cuda.Stream(priority=priority)
+    fn = gather(programs, items)
+    ms = _median_ms(fn, side)
+    print(f"cuBLAS SM carve-out, gather {programs} programs x {items} items, priority {priority}: fg/both ms, overlap")
+    carve = []
+    for carveout in CARVEOUTS:
+        torch._C._set_sm_carveout_experimental(carveout or None)
+        cells, entry = [], {"carveout": carveout}
+        for fg_name in units:
+            fg_ms, both_ms, ov = overlap(fg_name, fn, ms, side)
+            entry[fg_name] = {"fg_ms": fg_ms, "both_ms": both_ms, "overlap": ov}
+            cells.append(f"{fg_name} {fg_ms:.3f}/{both_ms:.3f} {ov:.2f}")
+        carve.append(entry)
+        print(f"  carve-out {carveout:>3} SMs: " + "   ".join(cells), flush=True)
+    torch._C._set_sm_carveout_experimental(None)
 
     # The last gather's result must equal torch indexing of the host store (bit-exact).
     check = slice(0, 512)
@@ -143,7 +181,7 @@ def main() -> None:
     print(json.dumps({"bench": "uva_gather", "device": name, "dtype": "bfloat16", "num_kv_heads": NUM_KV_HEADS,
                       "block_size": BLOCK_SIZE, "head_dim": HEAD_DIM, "slices": 2 * NUM_ITEMS,
                       "bytes_per_gather": moved, "copy_gbps": copy_gbps, "pcie_limit_gbps": PCIE_LIMIT_GBPS,
-                      "matmul_ms": mm_ms, "correct": correct, "results": rows}))
+                      "correct": correct, "results": rows, "carveout": carve}))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ _KERNELS = {
     "block_scores": ("block_scores", "block_scores", "block_scores_ref"),
     "gather_blocks": ("uva_gather", "gather_blocks", "gather_blocks_ref"),
     "block_minmax": ("summaries", "block_minmax", "block_minmax_ref"),
+    "select_blocks": ("select_blocks", "select_blocks", "select_blocks_ref"),
 }
 
 

@@ -32,9 +32,10 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _load_q(q_ptr, row, stride_qb, stride_qh, q_heads, g_mask, offs_d):
-    """The G query heads ``q_heads`` of ``row`` as float32 ``[BLOCK_G, HEAD_DIM]`` (masked rows 0)."""
-    return tl.load(q_ptr + row * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+def _load_q(q_ptr, q_rows, stride_qb, stride_qh, q_heads, g_mask, offs_d):
+    """Query head ``q_heads[g]`` of row ``q_rows[g]`` for each of the BLOCK_G program rows, as float32
+    ``[BLOCK_G, HEAD_DIM]`` (masked rows 0)."""
+    return tl.load(q_ptr + q_rows[:, None].to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
                    mask=g_mask[:, None], other=0.0).to(tl.float32)
 
 
@@ -53,17 +54,19 @@ def _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr)
 
 
 @triton.jit
-def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, row, split, num_splits,
-                 num_kv_heads, q_heads, g_mask, offs_d, stride_ob, stride_oh,
-                 G: tl.constexpr, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
-    """DIRECT (one split): normalise and write ``out``; else write the split's partial (m, l, acc) to
-    the workspace for ``_decode_reduce_kernel``."""
+def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, o_rows, split, num_splits,
+                 num_q_heads, q_heads, g_mask, offs_d, stride_ob, stride_oh,
+                 HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
+    """For program row g (query head ``q_heads[g]`` of output row ``o_rows[g]``), DIRECT (one split):
+    normalise and write ``out``; else write the split's partial (m, l, acc) to the workspace
+    ``[rows, num_q_heads, num_splits]`` for ``_decode_reduce_kernel``."""
+    o_rows = o_rows.to(tl.int64)
     if DIRECT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + row * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + o_rows[:, None] * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        ws = (row * num_kv_heads * G + q_heads) * num_splits + split
+        ws = (o_rows * num_q_heads + q_heads) * num_splits + split
         tl.store(m_ws_ptr + ws, m_i, mask=g_mask)
         tl.store(l_ws_ptr + ws, l_i, mask=g_mask)
         tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
@@ -98,7 +101,8 @@ def _decode_split_kernel(
     q_heads = kv_head * G + offs_g
     g_mask = offs_g < G
 
-    q = _load_q(q_ptr, row, stride_qb, stride_qh, q_heads, g_mask, offs_d)
+    rows = row + 0 * offs_g
+    q = _load_q(q_ptr, rows, stride_qb, stride_qh, q_heads, g_mask, offs_d)
 
     ctx_len = tl.load(context_lens_ptr + row)
     ctx_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
@@ -127,8 +131,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, row, split, num_splits,
-                 tl.num_programs(1), q_heads, g_mask, offs_d, stride_ob, stride_oh, G, HEAD_DIM, DIRECT)
+    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits,
+                 tl.num_programs(1) * G, q_heads, g_mask, offs_d, stride_ob, stride_oh, HEAD_DIM, DIRECT)
 
 
 @triton.jit

@@ -97,38 +97,55 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor, ws_map: torch.Tensor,
                       seq_slots: torch.Tensor, local_lens: torch.Tensor, scale: float,
-                      out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, num_splits: int | None = None,
+                      draft_rows: torch.Tensor | None = None, extra_k: torch.Tensor | None = None,
+                      extra_v: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over per-head working sets, as ``sparse_decode_attention``; returns ``out``.
 
-    q: ``[N, Hq, D]``; query head h attends kv head ``h // G``. ws_k, ws_v: ``[S, Hk, W, B, D]``.
+    q: ``[Nq, Hq, D]``; query head h attends kv head ``h // G``. ws_k, ws_v: ``[S, Hk, W, B, D]``.
     ws_map: ``[S, Hk, W]``, -1 = empty slot. seq_slots: ``[N]``, -1 = padding row. local_lens: ``[N]``.
     Row n, kv head h attends the B tokens of every slot ``j < W-1`` with ``ws_map[s, h, j] >= 0`` and
-    the first ``local_lens[n]`` tokens of slot W-1; rows with nothing to attend give zeros. num_splits
+    the first ``local_lens[n]`` tokens of slot W-1; rows with nothing to attend give zeros.
+    draft_rows ``[N]`` (q row of row n's draft, -1 none): a draft row attends what its row attends plus
+    its own ``extra_k/extra_v`` ``[Nq, Hk, D]`` entry (nothing for a padding row's draft). num_splits
     is accepted for signature parity and ignored.
     """
-    n, num_q_heads, head_dim = q.shape
+    num_rows, num_q_heads, head_dim = q.shape
+    n = seq_slots.shape[0]
     _, num_kv_heads, num_slots, block_size, _ = ws_k.shape
     group = num_q_heads // num_kv_heads
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    seq = seq_slots.long()
+    owner = torch.arange(num_rows, device=q.device)  # the row whose working set each q row reads
+    extra_ok = torch.zeros(num_rows, dtype=torch.bool, device=q.device)
+    if draft_rows is not None:
+        has = draft_rows >= 0
+        drafts = draft_rows[has].long()
+        owner[drafts] = torch.arange(n, device=q.device)[has]
+        extra_ok[drafts] = seq_slots[has] >= 0
+    seq = seq_slots.long()[owner]
     rows = seq.clamp(min=0)
-    slot_ok = ws_map[rows] >= 0  # [N, Hk, W]; the local slot's entry is replaced below
-    tok_ok = slot_ok[..., None].expand(-1, -1, -1, block_size).clone()  # [N, Hk, W, B]
-    local_ok = torch.arange(block_size, device=q.device) < local_lens.long()[:, None]  # [N, B]
+    slot_ok = ws_map[rows] >= 0  # [Nq, Hk, W]; the local slot's entry is replaced below
+    tok_ok = slot_ok[..., None].expand(-1, -1, -1, block_size).clone()  # [Nq, Hk, W, B]
+    local_ok = torch.arange(block_size, device=q.device) < local_lens.long()[owner][:, None]  # [Nq, B]
     tok_ok[:, :, num_slots - 1] = local_ok[:, None, :]
     tokens = num_slots * block_size
-    valid = (tok_ok & (seq >= 0)[:, None, None, None]).reshape(n, num_kv_heads, tokens)
+    valid = (tok_ok & (seq >= 0)[:, None, None, None]).reshape(num_rows, num_kv_heads, tokens)
 
-    k = ws_k[rows].reshape(n, num_kv_heads, tokens, head_dim).float().masked_fill(~valid[..., None], 0.0)
-    v = ws_v[rows].reshape(n, num_kv_heads, tokens, head_dim).float().masked_fill(~valid[..., None], 0.0)
-    qf = q.float().reshape(n, num_kv_heads, group, head_dim)
-    scores = (qf @ k.transpose(-1, -2)) * scale  # [N, Hk, G, T]
+    k = ws_k[rows].reshape(num_rows, num_kv_heads, tokens, head_dim).float()
+    v = ws_v[rows].reshape(num_rows, num_kv_heads, tokens, head_dim).float()
+    if draft_rows is not None:  # one more token per q row: its own key/value, valid on draft rows
+        k = torch.cat([k, extra_k.float()[:, :, None]], dim=2)
+        v = torch.cat([v, extra_v.float()[:, :, None]], dim=2)
+        valid = torch.cat([valid, extra_ok[:, None, None].expand(-1, num_kv_heads, 1)], dim=2)
+    k, v = k.masked_fill(~valid[..., None], 0.0), v.masked_fill(~valid[..., None], 0.0)
+    qf = q.float().reshape(num_rows, num_kv_heads, group, head_dim)
+    scores = (qf @ k.transpose(-1, -2)) * scale  # [Nq, Hk, G, T]
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     probs = torch.where(valid.any(-1)[:, :, None, None], torch.softmax(scores, dim=-1), 0.0)
-    out.copy_((probs @ v).reshape(n, num_q_heads, head_dim))
+    out.copy_((probs @ v).reshape(num_rows, num_q_heads, head_dim))
     return out
 
 
@@ -158,11 +175,11 @@ def block_scores_ref(q: torch.Tensor, summaries: torch.Tensor, block_tables: tor
 
 def gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: torch.Tensor,
                       ws_v: torch.Tensor, src_block: torch.Tensor, src_head: torch.Tensor,
-                      dst_slot: torch.Tensor, num_programs: int = 64) -> None:
+                      dst_slot: torch.Tensor, num_programs: int = 64, items_per_iter: int = 1) -> None:
     """Copy ``host[src_block[i], layer, src_head[i]]`` (``[B, D]``) into slot ``dst_slot[i]`` of the working
     set flattened as ``[S * Hk * W, B, D]``, K and V, as ``gather_blocks``; items with a negative
-    ``src_block`` are skipped. Host and working set may live on different devices. num_programs is
-    accepted for signature parity and ignored.
+    ``src_block`` are skipped. Host and working set may live on different devices. num_programs and
+    items_per_iter are accepted for signature parity and ignored.
     """
     block_size, head_dim = host_k.shape[-2:]
     keep = src_block >= 0
@@ -194,3 +211,20 @@ def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, 
         lo = blocks.masked_fill(~tok_ok, float("inf")).amin(1)
     dst = dst_block[keep].long().to(summaries.device), dst_head[keep].long().to(summaries.device)
     summaries[dst] = torch.stack([hi, lo], dim=1).to(summaries.dtype)
+
+
+def select_blocks_ref(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor, slots: torch.Tensor,
+                      block_tables: torch.Tensor, k: int, cap: int, now: torch.Tensor,
+                      counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Capped selection for rows ``slots``, as ``select_blocks``: ``kv.selection.plan_selection`` on
+    per-row copies of the tables, written back; returns (host block ids, slots) ``[N, Hk, cap]``, -1
+    past the admitted blocks; adds hits, misses, admitted to ``counters[:3]``. ``scores`` is left as is."""
+    from oasiskv.kv.selection import plan_selection  # the policy's specification
+    slots = slots.long()
+    map_rows, last_rows = ws_map[slots, :, :k], ws_last[slots]
+    sel = plan_selection(scores, map_rows, last_rows, k, cap, now)
+    ws_map[slots, :, :k] = map_rows
+    ws_last[slots] = last_rows
+    host_ids = block_tables.long().gather(1, sel.src_block.clamp(min=0).flatten(1)).view_as(sel.src_block)
+    counters[:3] += torch.stack([sel.hits, sel.misses, sel.admitted])
+    return torch.where(sel.src_block >= 0, host_ids, -1), sel.dst_slot

@@ -6,12 +6,17 @@ per (sequence, kv head), B tokens per block). ``ws_map`` int32 ``[S, Hk, W]`` na
 held by each slot (-1 = empty); heads of one sequence may hold different blocks. Slot W-1 is the
 *local block* (the sequence's last, still filling block): it is read up to each row's ``local_lens``
 whatever ``ws_map`` says for it. Slots ``j < W-1`` are read in full when ``ws_map >= 0``. Keys carry
-RoPE already, so the order of the slots does not matter and no positions are needed. Several rows may
-share one sequence slot with different local lengths (the real token and its draft row).
+RoPE already, so the order of the slots does not matter and no positions are needed.
+
+Lookahead: a row may carry a *draft row* (the guessed next token), which attends everything its row
+attends plus one extra key/value, its own, passed in directly (it is never written to the working set).
+The draft's G query heads ride in the same program as the row's (2G <= 16 padded ``tl.dot`` rows for
+G <= 8), so each K/V tile is read once for both.
 
 Kernel 1 (``_sparse_split_kernel``), grid ``(N, Hk, num_splits)``: a program owns the G query heads of
-one kv head of one row (padded to 16 rows for ``tl.dot``) and a run of ``slots_per_split`` slots; it runs
-an online softmax in fp32 over the valid tokens of its slots, ``SLOTS_PER_ITER`` slots per iteration.
+one kv head of one row and of its draft row (padded to 16 rows for ``tl.dot``) and a run of
+``slots_per_split`` slots; it runs an online softmax in fp32 over the valid tokens of its slots,
+``SLOTS_PER_ITER`` slots per iteration; the split holding the local slot adds the draft's own token.
 With one split it writes the normalized output; with several it writes a partial (max, sum of exps,
 unnormalized accumulator; neutral -inf/0/0 when the split holds no valid token) and the reduce kernel of
 ``paged_decode`` (same workspace layout) merges them. Grid and workspace depend only on shapes: the call
@@ -39,20 +44,22 @@ _DEFAULT_WAVE = 512
 @triton.jit
 def _sparse_split_kernel(
     q_ptr, ws_k_ptr, ws_v_ptr, ws_map_ptr, seq_slots_ptr, local_lens_ptr,
+    draft_rows_ptr, extra_k_ptr, extra_v_ptr,
     out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
-    qk_scale, slots_per_split, num_splits, num_slots,
+    qk_scale, slots_per_split, num_splits, num_slots, num_q_heads,
     stride_qn, stride_qh, stride_on, stride_oh,
     stride_ks, stride_kh, stride_kw, stride_kt,
     stride_vs, stride_vh, stride_vw, stride_vt,
-    stride_ms, stride_mh,
+    stride_ms, stride_mh, stride_xkn, stride_xkh, stride_xvn, stride_xvh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DRAFT: tl.constexpr,
 ):
-    """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over the slots of split ``pid(2)``.
+    """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` (and, HAS_DRAFT, of its
+    draft row ``draft_rows[pid(0)]`` when >= 0, program rows G..2G-1) over the slots of split ``pid(2)``.
 
     ``qk_scale`` is ``scale * log2(e)`` (scores in the log2 domain). Workspace (not DIRECT): m/l
-    ``[N, Hq, num_splits]``, acc ``[N, Hq, num_splits, HEAD_DIM]``.
+    ``[Nq, Hq, num_splits]``, acc ``[Nq, Hq, num_splits, HEAD_DIM]`` (Nq = rows of q).
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,10 +71,18 @@ def _sparse_split_kernel(
     offs_t = tl.arange(0, TILE)
     tile_slot = offs_t // BLOCK_SIZE
     tile_off = offs_t % BLOCK_SIZE
-    q_heads = kv_head * G + offs_g
-    g_mask = offs_g < G
+    if HAS_DRAFT:
+        draft = tl.load(draft_rows_ptr + row)
+        is_draft = offs_g >= G
+        q_rows = tl.where(is_draft, draft, row)
+        q_heads = kv_head * G + tl.where(is_draft, offs_g - G, offs_g)
+        g_mask = (offs_g < G) | (is_draft & (offs_g < 2 * G) & (draft >= 0))
+    else:
+        q_rows = row + 0 * offs_g
+        q_heads = kv_head * G + offs_g
+        g_mask = offs_g < G
 
-    q = _load_q(q_ptr, row, stride_qn, stride_qh, q_heads, g_mask, offs_d)
+    q = _load_q(q_ptr, q_rows, stride_qn, stride_qh, q_heads, g_mask, offs_d)
 
     seq = tl.load(seq_slots_ptr + row)
     local_len = tl.load(local_lens_ptr + row)
@@ -100,8 +115,22 @@ def _sparse_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, row, split, num_splits,
-                 tl.num_programs(1), q_heads, g_mask, offs_d, stride_on, stride_oh, G, HEAD_DIM, DIRECT)
+    if HAS_DRAFT:  # the draft's own key and value, once: in the split that holds the local slot
+        if (draft >= 0) & (seq >= 0) & (slot_start <= local_slot) & (local_slot < slot_start + slots_per_split):
+            draft64 = tl.maximum(draft, 0).to(tl.int64)
+            xk = tl.load(extra_k_ptr + draft64 * stride_xkn + kv_head * stride_xkh + offs_d).to(tl.float32)
+            xv = tl.load(extra_v_ptr + draft64 * stride_xvn + kv_head * stride_xvh + offs_d).to(tl.float32)
+            s_x = tl.where(is_draft & g_mask, tl.sum(q * xk[None, :], 1) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, s_x)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p_x = tl.exp2(s_x - m_use)
+            l_i = l_i * alpha + p_x
+            acc = acc * alpha[:, None] + p_x[:, None] * xv[None, :]
+            m_i = m_new
+
+    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, q_rows, split, num_splits,
+                 num_q_heads, q_heads, g_mask, offs_d, stride_on, stride_oh, HEAD_DIM, DIRECT)
 
 
 _waves: dict[tuple, int] = {}
@@ -109,10 +138,13 @@ _waves: dict[tuple, int] = {}
 
 def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor, ws_map: torch.Tensor,
                             seq_slots: torch.Tensor, local_lens: torch.Tensor, scale: float,
-                            out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, num_splits: int | None = None,
+                            draft_rows: torch.Tensor | None = None, extra_k: torch.Tensor | None = None,
+                            extra_v: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its sequence's working set; returns ``out``.
 
-    q: ``[N, Hq, D]`` (last-dim stride 1), Hq = G * Hk; query head h attends kv head ``h // G``.
+    q: ``[Nq, Hq, D]`` (last-dim stride 1), Hq = G * Hk; query head h attends kv head ``h // G``. Rows
+    ``0..N-1`` (N = len(seq_slots)) are the rows; without ``draft_rows`` Nq = N.
     ws_k, ws_v: ``[S, Hk, W, B, D]``, same shape and dtype, last two dims contiguous (other strides
     free, e.g. one layer of a ``[L, S, Hk, W, B, D]`` buffer); D and B powers of two >= 16.
     ws_map: int32 ``[S, Hk, W]`` (last-dim stride 1), block held by each slot, -1 = empty; only entries
@@ -120,14 +152,20 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     local_lens: int32 ``[N]`` in ``0..B``, tokens of the local slot W-1 this row attends. Row n, kv
     head h attends every token of slots ``j < W-1`` with ``ws_map[s, h, j] >= 0`` plus the first
     ``local_lens[n]`` tokens of slot W-1; no other entry of ws_k/ws_v is read. Padding rows and rows
-    with nothing to attend get zeros. scale: softmax scale. out: optional ``[N, Hq, D]`` target (last-dim
-    stride 1), else allocated with q's dtype. num_splits: split-K factor over the W slots (default from
+    with nothing to attend get zeros.
+    draft_rows: optional int32 ``[N]``: the q row (``>= N``) of row n's draft, -1 = none; each q row
+    ``>= N`` must be named by exactly one row. A draft row attends what its row attends plus its own
+    key/value ``extra_k/extra_v[draft, h]`` (``[Nq, Hk, D]``, last-dim stride 1); a padding row's
+    draft gets zeros. Needs 2G <= 16.
+    scale: softmax scale. out: optional ``[Nq, Hq, D]`` target (last-dim stride 1), else allocated with
+    q's dtype. num_splits: split-K factor over the W slots (default from
     ``paged_decode.default_num_splits`` with the measured wave size); each split covers whole
     iterations of slots, splits past the last slot write neutral partials. Math is fp32 with K/V
     upcast; dots as tf32 for 16-bit inputs, IEEE fp32 when q or the working set is fp32.
     No host sync; CUDA-graph capturable (grid and workspace depend on shapes only).
     """
-    n, num_q_heads, head_dim = q.shape
+    num_rows, num_q_heads, head_dim = q.shape
+    n = seq_slots.shape[0]
     num_seqs, num_kv_heads, num_slots, block_size, cache_dim = ws_k.shape
     assert ws_v.shape == ws_k.shape and ws_v.dtype == ws_k.dtype
     assert cache_dim == head_dim and num_q_heads % num_kv_heads == 0, (
@@ -137,7 +175,18 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
     assert num_slots >= 1 and ws_map.shape == (num_seqs, num_kv_heads, num_slots) and ws_map.stride(2) == 1
-    assert seq_slots.shape == (n,) and local_lens.shape == (n,) and q.stride(2) == 1
+    assert local_lens.shape == (n,) and q.stride(2) == 1
+    group = num_q_heads // num_kv_heads
+    has_draft = draft_rows is not None
+    if has_draft:
+        assert draft_rows.shape == (n,) and 2 * group <= 16, f"draft rows need 2G <= 16 (G = {group})"
+        assert extra_k is not None and extra_v is not None
+        for extra in (extra_k, extra_v):
+            assert extra.shape == (num_rows, num_kv_heads, head_dim) and extra.stride(2) == 1
+        draft_rows = draft_rows.contiguous()
+    else:
+        assert num_rows == n, f"q has {num_rows} rows for {n} sequence slots and no draft rows"
+        draft_rows, extra_k, extra_v = seq_slots, q, q  # placeholders: never read
     seq_slots, local_lens = seq_slots.contiguous(), local_lens.contiguous()  # read as packed arrays
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -145,9 +194,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     if n == 0:
         return out
 
-    group = num_q_heads // num_kv_heads
     slots_per_iter = max(1, _TOKENS_PER_ITER // block_size)
-    key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group)
+    key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft)
     if num_splits is None:
         num_splits = default_num_splits(n, num_kv_heads, num_slots, block_size, _waves.get(key, _DEFAULT_WAVE))
     assert num_splits >= 1
@@ -156,28 +204,29 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     if direct:  # the workspace arguments are unused: pass ``out`` as a placeholder
         m_ws = l_ws = acc_ws = out
     else:
-        m_ws = torch.empty((n, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        m_ws = torch.empty((num_rows, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         l_ws = torch.empty_like(m_ws)
-        acc_ws = torch.empty((n, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        acc_ws = torch.empty((num_rows, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     fp32 = torch.float32 in (q.dtype, ws_k.dtype)
 
     compiled = _sparse_split_kernel[(n, num_kv_heads, num_splits)](
-        q, ws_k, ws_v, ws_map, seq_slots, local_lens,
+        q, ws_k, ws_v, ws_map, seq_slots, local_lens, draft_rows, extra_k, extra_v,
         out, m_ws, l_ws, acc_ws,
-        scale * _LOG2E, slots_per_split, num_splits, num_slots,
+        scale * _LOG2E, slots_per_split, num_splits, num_slots, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         ws_k.stride(0), ws_k.stride(1), ws_k.stride(2), ws_k.stride(3),
         ws_v.stride(0), ws_v.stride(1), ws_v.stride(2), ws_v.stride(3),
         ws_map.stride(0), ws_map.stride(1),
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1),
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group * (2 if has_draft else 1))), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
-        DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32",
+        DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32", HAS_DRAFT=has_draft,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device) or _DEFAULT_WAVE
     if not direct:
-        _decode_reduce_kernel[(n, num_q_heads)](
+        _decode_reduce_kernel[(num_rows, num_q_heads)](
             m_ws, l_ws, acc_ws, out,
             num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),

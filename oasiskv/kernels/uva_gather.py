@@ -30,14 +30,18 @@ def _gather_kernel(
     host_k_ptr, host_v_ptr, ws_k_ptr, ws_v_ptr, src_block_ptr, src_head_ptr, dst_slot_ptr,
     num_items, layer_off_k, layer_off_v,
     stride_kb, stride_kh, stride_vb, stride_vh, stride_wk, stride_wv,
-    SLICE: tl.constexpr, CHUNK: tl.constexpr,
+    SLICE: tl.constexpr, CHUNK: tl.constexpr, ITEMS: tl.constexpr,
 ):
-    """Program ``pid`` copies items ``pid, pid + P, ...`` (P = number of programs) of the index lists."""
+    """Program ``pid`` copies tiles ``pid, pid + P, ...`` (P = number of programs) of ``ITEMS``
+    consecutive items of the index lists; one tile's loads are all in flight together."""
     offs = tl.arange(0, CHUNK)
-    for i in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        block = tl.load(src_block_ptr + i).to(tl.int64)
-        head = tl.load(src_head_ptr + i).to(tl.int64)
-        dst = tl.load(dst_slot_ptr + i).to(tl.int64)
+    offs_i = tl.arange(0, ITEMS)
+    for start in range(tl.program_id(0) * ITEMS, num_items, tl.num_programs(0) * ITEMS):
+        item = start + offs_i
+        in_range = item < num_items
+        block = tl.load(src_block_ptr + item, mask=in_range, other=-1).to(tl.int64)
+        head = tl.load(src_head_ptr + item, mask=in_range, other=0).to(tl.int64)
+        dst = tl.load(dst_slot_ptr + item, mask=in_range, other=0).to(tl.int64)
         live = block >= 0
         block = tl.maximum(block, 0)
         src_k = host_k_ptr + layer_off_k + block * stride_kb + head * stride_kh
@@ -45,16 +49,16 @@ def _gather_kernel(
         dst_k = ws_k_ptr + dst * stride_wk
         dst_v = ws_v_ptr + dst * stride_wv
         for c in tl.static_range(0, SLICE, CHUNK):
-            mask = live & (c + offs < SLICE)
-            k = tl.load(src_k + c + offs, mask=mask)
-            v = tl.load(src_v + c + offs, mask=mask)
-            tl.store(dst_k + c + offs, k.to(ws_k_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst_v + c + offs, v.to(ws_v_ptr.dtype.element_ty), mask=mask)
+            mask = live[:, None] & (c + offs < SLICE)[None, :]
+            k = tl.load(src_k[:, None] + c + offs[None, :], mask=mask)
+            v = tl.load(src_v[:, None] + c + offs[None, :], mask=mask)
+            tl.store(dst_k[:, None] + c + offs[None, :], k.to(ws_k_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst_v[:, None] + c + offs[None, :], v.to(ws_v_ptr.dtype.element_ty), mask=mask)
 
 
 def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: torch.Tensor,
                   ws_v: torch.Tensor, src_block: torch.Tensor, src_head: torch.Tensor,
-                  dst_slot: torch.Tensor, num_programs: int = 64) -> None:
+                  dst_slot: torch.Tensor, num_programs: int = 64, items_per_iter: int = 1) -> None:
     """Copy ``host[src_block[i], layer, src_head[i]]`` into working-set slot ``dst_slot[i]``, K and V.
 
     host_k, host_v: ``[num_host_blocks, num_layers, Hk, B, D]``, same shape, each ``[B, D]`` slice
@@ -63,8 +67,9 @@ def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: 
     ``[..., B, D]`` that flattens to ``[S * Hk * W, B, D]`` (e.g. contiguous ``[S, Hk, W, B, D]``);
     values are cast to its dtype. src_block, src_head, dst_slot: int32/int64 ``[M]`` on the kernel's
     device; items with ``src_block[i] < 0`` are skipped (padding), other indices must be in range and
-    the destination slots distinct. num_programs: grid size bound (P = min(num_programs, M)); 32-64
-    on an H200 keep the copy at PCIe speed while leaving SMs to kernels on other streams. Returns
+    the destination slots distinct. num_programs: grid size bound (P = min(num_programs,
+    cdiv(M, items_per_iter))); items_per_iter (a power of two): items one program moves per loop
+    iteration, all loads in flight at once, so fewer programs keep PCIe busy. Returns
     once launched: no host sync, CUDA-graph capturable (the grid depends on M, a shape).
     """
     num_host_blocks, num_layers, num_kv_heads, block_size, head_dim = host_k.shape
@@ -82,15 +87,15 @@ def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: 
     # index lists are read as packed arrays (an expanded, stride-0 view would be read past its end)
     src_block, src_head, dst_slot = src_block.contiguous(), src_head.contiguous(), dst_slot.contiguous()
     assert src_block.shape == src_head.shape == dst_slot.shape == (m,)
-    assert num_programs >= 1
+    assert num_programs >= 1 and items_per_iter >= 1 and items_per_iter & (items_per_iter - 1) == 0
     if m == 0:
         return
     slice_len = block_size * head_dim
-    _gather_kernel[(min(num_programs, m),)](
+    _gather_kernel[(min(num_programs, triton.cdiv(m, items_per_iter)),)](
         host_k, host_v, flat_k, flat_v, src_block, src_head, dst_slot,
         m, layer * host_k.stride(1), layer * host_v.stride(1),
         host_k.stride(0), host_k.stride(2), host_v.stride(0), host_v.stride(2),
         flat_k.stride(0), flat_v.stride(0),
-        SLICE=slice_len, CHUNK=min(_MAX_CHUNK, triton.next_power_of_2(slice_len)),
+        SLICE=slice_len, CHUNK=min(_MAX_CHUNK, triton.next_power_of_2(slice_len)), ITEMS=items_per_iter,
         num_warps=_NUM_WARPS,
     )

@@ -7,6 +7,9 @@ stamps are refreshed); wanted blocks not resident are misses, admitted highest s
 least recently selected slot that holds no wanted block. Misses past the cap are deferred: not
 fetched this step. The local block is not among the K slots, so it is never evicted.
 
+On CUDA the same policy runs as one Triton kernel per layer (``kernels/select_blocks.py``); this torch
+form is its reference and the CPU path.
+
 Invariants (tests check them): at most ``cap`` admissions per head; a block is resident in at most
 one slot per head; a hit's slot is never a victim.
 """

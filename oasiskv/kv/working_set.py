@@ -16,7 +16,12 @@ import torch
 from oasiskv.kernels.dispatch import kernel
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
-from oasiskv.kv.selection import Selection, plan_selection, scatter_where
+from oasiskv.kv.selection import scatter_where
+
+# UVA gather grid: 8 programs with 4 slices in flight each move 51 GB/s (93% of PCIe) on the H200 and
+# overlap a memory-bound decode GEMM on another stream by 0.87 (64 x 1, the old grid: 0.76; see
+# docs/benchmarks.md, the uva_gather table).
+_GATHER_PROGRAMS, _GATHER_ITEMS = 8, 4
 
 
 class WorkingSet:
@@ -30,6 +35,7 @@ class WorkingSet:
                      for _ in range(L)]
         self._heads = torch.arange(H, device=device)
         self._gather = kernel("gather_blocks", device.type == "cuda")
+        self._select = kernel("select_blocks", device.type == "cuda")
 
     def local(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[S, Hk, B, D]`` of every slot's local block at ``layer``."""
@@ -42,26 +48,22 @@ class WorkingSet:
         self.last[layer][slots] = 0
 
     def select_and_fetch(self, layer: int, host: HostStore, slots: torch.Tensor, block_tables: torch.Tensor,
-                         scores: torch.Tensor, cap: int, now: int | torch.Tensor) -> Selection:
+                         scores: torch.Tensor, cap: int, now: torch.Tensor,
+                         counters: torch.Tensor | None = None) -> None:
         """Apply a selection for rows ``slots`` ``[N]`` from ``scores`` ``[N, Hk, M]`` and copy the admitted
         blocks' slices from the host store into their slots."""
-        sel = self.plan(layer, slots, block_tables, scores, cap, now)
-        self.fetch(layer, host, slots, sel.src_block, sel.dst_slot)
-        return sel
+        self.fetch(layer, host, slots, *self.plan(layer, slots, block_tables, scores, cap, now, counters))
 
     def plan(self, layer: int, slots: torch.Tensor, block_tables: torch.Tensor, scores: torch.Tensor,
-             cap: int, now: int | torch.Tensor) -> Selection:
-        """Update the residency tables of rows ``slots`` for a selection from ``scores``; the returned
-        ``src_block`` holds host block ids (from ``block_tables``) to copy into ``dst_slot``."""
-        K = self.layout.topk_blocks
-        ws_map = self.map[layer][slots, :, :K]
-        ws_last = self.last[layer][slots]
-        sel = plan_selection(scores, ws_map, ws_last, K, cap, now)
-        self.map[layer][slots, :, :K] = ws_map
-        self.last[layer][slots] = ws_last
-        host_ids = block_tables.long().gather(1, sel.src_block.clamp(min=0).flatten(1)).view_as(sel.src_block)
-        sel.src_block = torch.where(sel.src_block >= 0, host_ids, -1)
-        return sel
+             cap: int, now: torch.Tensor, counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update the residency tables of rows ``slots`` for a selection from ``scores`` (float32, used as
+        scratch) at step stamp ``now`` (0-d device tensor); returns (host block ids, slots), int64
+        ``[N, Hk, cap]``, -1 = nothing, to hand to ``fetch``. Hits, misses and admitted blocks are added
+        to ``counters[:3]`` when given."""
+        if counters is None:
+            counters = torch.zeros(3, dtype=torch.long, device=scores.device)
+        return self._select(scores, self.map[layer], self.last[layer], slots, block_tables,
+                            self.layout.topk_blocks, cap, now, counters)
 
     def fetch(self, layer: int, host: HostStore, slots: torch.Tensor, host_blocks: torch.Tensor,
               dst_slots: torch.Tensor) -> None:
@@ -72,7 +74,7 @@ class WorkingSet:
         head = self._heads.view(1, heads, 1).expand(n, heads, x)
         flat_dst = (slots.long().view(n, 1, 1) * heads + head) * self.layout.slots + dst_slots.clamp(min=0)
         self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], host_blocks.flatten(),
-                     head.flatten(), flat_dst.flatten())
+                     head.flatten(), flat_dst.flatten(), num_programs=_GATHER_PROGRAMS, items_per_iter=_GATHER_ITEMS)
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor, block: torch.Tensor,
                       now: int | torch.Tensor) -> None:

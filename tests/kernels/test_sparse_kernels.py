@@ -56,26 +56,35 @@ def _ws_case(rows, num_kv_heads, group, head_dim, dtype, num_seqs=4, num_slots=5
     return [t.to(device) for t in (q.to(dtype), ws_k.to(dtype), ws_v.to(dtype), ws_map, seq_slots, local_lens)]
 
 
-def _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale):
-    """Independent float64 attention: collect each (row, kv head)'s valid tokens one by one."""
+def _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_rows=None, extra_k=None,
+                  extra_v=None):
+    """Independent float64 attention: collect each (row, kv head)'s valid tokens one by one; a draft
+    row (``draft_rows``) gets its row's tokens plus its own extra key/value."""
     q, ws_k, ws_v, ws_map = q.cpu().double(), ws_k.cpu().double(), ws_v.cpu().double(), ws_map.cpu()
-    n, num_q_heads, head_dim = q.shape
+    num_rows, num_q_heads, head_dim = q.shape
     _, num_kv_heads, num_slots, block_size, _ = ws_k.shape
     group = num_q_heads // num_kv_heads
-    out = torch.zeros(n, num_q_heads, head_dim, dtype=torch.float64)
-    for row, (s, local) in enumerate(zip(seq_slots.tolist(), local_lens.tolist())):
+    out = torch.zeros(num_rows, num_q_heads, head_dim, dtype=torch.float64)
+    drafts = draft_rows.tolist() if draft_rows is not None else [-1] * len(seq_slots)
+    for row, (s, local, draft) in enumerate(zip(seq_slots.tolist(), local_lens.tolist(), drafts)):
         if s < 0:
             continue
         for h in range(num_kv_heads):
             toks = [(j, t) for j in range(num_slots - 1) if ws_map[s, h, j] >= 0 for t in range(block_size)]
             toks += [(num_slots - 1, t) for t in range(local)]
-            if not toks:
-                continue
-            k = torch.stack([ws_k[s, h, j, t] for j, t in toks])
-            v = torch.stack([ws_v[s, h, j, t] for j, t in toks])
-            for g in range(group):
-                p = torch.softmax(k @ q[row, h * group + g] * scale, dim=0)
-                out[row, h * group + g] = p @ v
+            keys = [ws_k[s, h, j, t] for j, t in toks]
+            values = [ws_v[s, h, j, t] for j, t in toks]
+            targets = [(row, keys, values)]
+            if draft >= 0:
+                targets.append((draft, keys + [extra_k[draft, h].cpu().double()],
+                                values + [extra_v[draft, h].cpu().double()]))
+            for target, ks, vs in targets:
+                if not ks:
+                    continue
+                k, v = torch.stack(ks), torch.stack(vs)
+                for g in range(group):
+                    p = torch.softmax(k @ q[target, h * group + g] * scale, dim=0)
+                    out[target, h * group + g] = p @ v
     return out
 
 
@@ -106,6 +115,34 @@ def _run_sparse(case, num_splits, rtol, atol):
 def test_sparse_decode_fp32(group, head_dim, num_splits):
     case = _ws_case(ROWS, num_kv_heads=2, group=group, head_dim=head_dim, dtype=torch.float32)
     _run_sparse(case, num_splits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_sparse_decode_draft_rows(group, num_splits):
+    """Lookahead: draft rows ride in their row's program and add their own key/value; rows without a
+    draft, a padding row's draft (zeros) and a draft whose row attends nothing else."""
+    rows = [(0, 5), (-1, 3), (1, 0), (2, 16), (3, 1)]
+    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(rows, num_kv_heads=2, group=group, head_dim=32,
+                                                            dtype=torch.float32, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    draft_rows = torch.tensor([6, 5, 7, -1, 8], dtype=torch.int32)  # q rows 5..8, out of order
+    q = torch.cat([q, torch.randn(4, *q.shape[1:], generator=gen)])
+    extra_k, extra_v = torch.randn(2, 9, 2, 32, generator=gen)
+    scale = 0.3
+    out = torch.full_like(q, NAN)
+    got = sparse_decode_attention(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, out=out,
+                                  num_splits=num_splits, draft_rows=draft_rows, extra_k=extra_k, extra_v=extra_v)
+    assert got is out and got.isfinite().all()
+    ref = sparse_decode_ref(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_rows=draft_rows,
+                            extra_k=extra_k, extra_v=extra_v)
+    dense = _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_rows, extra_k, extra_v)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.double(), dense, rtol=1e-5, atol=1e-5)
+    assert (got[1] == 0).all() and (got[5] == 0).all()  # the padding row and its draft
+    assert not (got[7] == 0).all()  # row 2 attends nothing, its draft attends itself
+    plain = sparse_decode_attention(q[:5], ws_k, ws_v, ws_map, seq_slots, local_lens, scale, num_splits=num_splits)
+    torch.testing.assert_close(got[:5], plain, rtol=1e-6, atol=1e-6)  # real rows unchanged by drafts
 
 
 def test_sparse_decode_split_invariance_block32_group4():
@@ -269,12 +306,16 @@ def _loop_gather(host_k, host_v, layer, ws_k, ws_v, src_block, src_head, dst_slo
 
 
 @pytest.mark.parametrize("fn", [gather_blocks, gather_blocks_ref], ids=["triton", "ref"])
-@pytest.mark.parametrize("num_programs,index_dtype", [(64, torch.int32), (3, torch.int64), (1, torch.int32)])
-def test_gather_blocks(fn, num_programs, index_dtype):
+@pytest.mark.parametrize("num_programs,items,index_dtype", [(64, 1, torch.int32), (3, 1, torch.int64),
+                                                            (1, 1, torch.int32), (2, 4, torch.int32),
+                                                            (1, 16, torch.int64)])
+def test_gather_blocks(fn, num_programs, items, index_dtype):
+    """Also tiles of several items per iteration, with a partial last tile (M = 10)."""
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(index_dtype=index_dtype)
     want_k, want_v = ws_k.clone(), ws_v.clone()
     _loop_gather(host_k, host_v, 1, want_k, want_v, src_block, src_head, dst_slot)
-    fn(host_k, host_v, 1, ws_k, ws_v, src_block, src_head, dst_slot, num_programs=num_programs)
+    fn(host_k, host_v, 1, ws_k, ws_v, src_block, src_head, dst_slot, num_programs=num_programs,
+       items_per_iter=items)
     torch.testing.assert_close(ws_k, want_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(ws_v, want_v, rtol=0, atol=0, equal_nan=True)
     written = int((src_block >= 0).sum()) * 16 * 32
