@@ -17,6 +17,7 @@ import torch
 
 from oasiskv.attention import make_backend
 from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
+from oasiskv.engine.block_tables import BlockTableRows
 from oasiskv.engine.cuda_graph import CudaGraphRunner
 from oasiskv.engine.forward_batch import ForwardBatch, forward_context
 from oasiskv.engine.scheduler import ScheduledBatch
@@ -72,6 +73,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.graphs: CudaGraphRunner | None = None
+        self.block_tables = BlockTableRows(config.max_num_seqs)
 
     def capture_graphs(self) -> None:
         """Capture decode CUDA graphs (CUDA, not ``enforce_eager``, a backend that supports them). Call
@@ -155,10 +157,7 @@ class ModelRunner:
             ids.append(batch.seqs[i].draft_token)
             pos.append(pos[i] + 1)
             slots.append(-1)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = np.zeros((len(batch), width), dtype=np.int32)
-        for row, seq in zip(tables, batch.seqs):
-            row[:len(seq.block_table)] = seq.block_table
+        tables = self.block_tables.build(batch.seqs)
         return ForwardBatch(batch.is_prefill, self._to_device(ids, torch.long), self._to_device(pos, torch.long),
                             self._to_device(slots, torch.long), self._to_device(tables, torch.int32),
                             self._to_device(ctx, torch.int32), list(batch.num_tokens),

@@ -1,0 +1,33 @@
+"""BlockTableRows: the step's tables equal the sequences' lists through growth, replacement and pruning."""
+from types import SimpleNamespace
+
+import numpy as np
+
+from oasiskv.engine.block_tables import BlockTableRows
+
+
+def test_rows_follow_appends_replacements_and_other_sequences():
+    rows = BlockTableRows(max_live=2)
+    a, b = SimpleNamespace(seq_id=1, block_table=[5]), SimpleNamespace(seq_id=2, block_table=list(range(40)))
+
+    def check(*seqs):
+        got = rows.build(list(seqs))
+        width = max(len(s.block_table) for s in seqs)
+        want = np.array([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=np.int32)
+        np.testing.assert_array_equal(got, want)
+
+    check(a, b)
+    for step in range(100):  # growth past the row's capacity, one block at a time and several at once
+        a.block_table.append(100 + step)
+        if step % 7 == 0:
+            b.block_table.extend([200 + step, 300 + step, 400 + step])
+        check(b, a)
+    a.block_table = [9, 8]  # preempted and re-admitted: a new, shorter list
+    check(a, b)
+    a.block_table = []
+    a.block_table.append(3)  # a new list that grows to the old length: not mistaken for the old one
+    a.block_table.append(4)
+    check(a)
+    for seq_id in range(3, 12):  # many sequences come and go: old rows are forgotten
+        check(SimpleNamespace(seq_id=seq_id, block_table=[seq_id] * seq_id), a)
+    assert len(rows._rows) <= 2 * 2 + 1
