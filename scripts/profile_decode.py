@@ -3,14 +3,16 @@ kernel count and top kernels, plus how much the streams run at the same time.
 
 python scripts/profile_decode.py [oasiskv bench flags] [--profile-steps N] [--compare-prefetch-off]
 
-Takes the ``oasiskv bench`` flags (one context length and one concurrency), prefills that many
-random-token requests, runs warm-up steps, times ``--timed-steps`` decode steps on the host clock,
-then records ``--profile-steps`` steps with torch.profiler (CUPTI also sees kernels inside CUDA graph
-replays) and reads the trace: per stream, busy time (union of kernel intervals) per step; "overlap"
-is the time at least two streams run kernels; "idle" is the time inside the window no kernel runs
-(host work between steps). With ``--compare-prefetch-off`` (oasis lookahead) the same requests then
-run with step t+1's selection and fetch disabled (graphs recaptured), the foreground-only baseline.
-GPU only; random weights.
+Takes the ``oasiskv bench`` flags (exactly one context length and one concurrency; the output length
+is set from the step counts), prefills that many requests (prompt token ids ``(7 i + j) mod 1000 + 1``,
+not the bench's random ones), runs 3 warm-up decode steps, times ``--timed-steps`` decode steps on the
+host clock, then records ``--profile-steps`` steps with torch.profiler (CUPTI also sees kernels
+inside CUDA graph replays) and reads the trace: per stream, busy time (union of kernel intervals) per
+step; "overlapping" is the time at least two streams run kernels; "idle" is the time inside the
+kernel window no kernel runs (mostly host work between steps). With ``--compare-prefetch-off`` the
+same requests then run with ``prefetch=off`` (graphs recaptured when there are any): for lookahead,
+step t+1's selection and fetch are skipped, the foreground-only baseline; for synchronous retrieval
+selection stops altogether. GPU only; random weights.
 """
 import argparse
 import dataclasses
@@ -94,8 +96,9 @@ def report(title: str, wall_ms: float, stats: dict) -> None:
     if "error" in stats:
         print(stats["error"])
         return
+    idle = stats["window_ms_per_step"] - stats["gpu_busy_ms_per_step"]
     print(f"   kernel window {stats['window_ms_per_step']:.2f} ms/step, GPU busy {stats['gpu_busy_ms_per_step']:.2f}, "
-          f"streams overlapping {stats['overlap_ms_per_step']:.2f}")
+          f"idle {idle:.2f}, streams overlapping {stats['overlap_ms_per_step']:.2f}")
     for stream, s in stats["streams"].items():
         print(f"   {stream}: busy {s['busy_ms_per_step']:.2f} ms/step, {s['kernels_per_step']:.0f} kernels/step")
         for name, ms, count in s["top"]:
@@ -130,7 +133,10 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA GPU")
-    context, concurrency = int(args.context_lens), int(args.concurrency)
+    try:
+        context, concurrency = int(args.context_lens), int(args.concurrency)
+    except ValueError:
+        sys.exit("profile_decode.py takes one --context-lens and one --concurrency (numbers)")
     phases = 2 if args.compare_prefetch_off else 1
     args.output_lens = str(phases * (args.timed_steps + args.profile_steps + 5) + 2)
     config = config_from_args(args)
@@ -153,7 +159,7 @@ def main() -> None:
         backend.config = dataclasses.replace(backend.config, prefetch="off")
         engine.runner.capture_graphs()
         wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
-        report("prefetch=off (same requests, graphs recaptured)", wall, stats)
+        report("prefetch=off (same requests" + (", graphs recaptured)" if engine.runner.graphs else ")"), wall, stats)
         result["phases"].append({"prefetch": "off", "wall_ms": wall, **stats})
     print(json.dumps(result))
 

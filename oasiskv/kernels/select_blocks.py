@@ -15,7 +15,8 @@ Per program, with the row's M scores in registers:
 3. ``cap`` rounds of (best remaining miss, least recently selected free slot) admit the misses;
 4. the slot tables are written back, the admitted blocks' host ids (from the block table) and slots
    go out, and hit/miss/admitted counts are added to ``counters`` atomically.
-Steps 2's rewrites are read back by other threads of the same program after a barrier.
+Step 2's rewrites of the scores row are separated from the reads around them by barriers (the
+threads of a program hold overlapping copies of small vectors).
 
 Does not know: what a score means or where blocks live on the host (``kv/`` owns that).
 """
@@ -72,6 +73,7 @@ def _select_kernel(
     last = tl.load(last_row + offs_k, mask=k_mask, other=0)
     resident = k_mask & (blk >= 0) & (blk < num_blocks)
     hit = resident & (tl.load(score_row + blk, mask=resident, other=float("-inf")) > float("-inf"))
+    tl.debug_barrier()  # every thread has read its slots' scores before any is erased
     tl.store(score_row + blk, float("-inf"), mask=hit)
     tl.debug_barrier()
     misses = tl.load(score_row + offs_m, mask=m_mask, other=float("-inf"))
@@ -113,8 +115,10 @@ def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Ten
     scores: float32 ``[N, Hk, M]`` (last-dim stride 1), -inf for blocks that do not exist; used as
     scratch (overwritten). ws_map: int32 ``[S, Hk, W]``, W >= k, logical block per slot (-1 empty;
     columns >= k are neither read nor written). ws_last: int64 ``[S, Hk, k]`` last-selected stamps.
-    slots: ``[N]`` sequence slot of each row (distinct, except rows whose scores are all -inf, which
-    change nothing). block_tables: int32 ``[N, >= M]`` host block id of each logical block. now: int64
+    slots: ``[N]`` sequence slot of each row, distinct, except rows whose scores are all -inf (graph
+    padding): those write their slot's tables back as they read them, so they may share a slot only
+    with each other. block_tables: int32 ``[N, >= M]`` (last-dim stride 1) host block id of each
+    logical block. now: int64
     0-d device tensor, the step's stamp. counters: int64 ``[>= 3]``; hits, misses and admitted blocks
     (summed over rows and heads) are added to entries 0-2. Returns (src_block, dst_slot), int64
     ``[N, Hk, cap]``: host block to copy and the slot it lands in, admitted misses in score order,
@@ -122,7 +126,8 @@ def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Ten
     """
     n, heads, m = scores.shape
     assert scores.dtype == torch.float32 and scores.stride(2) == 1
-    assert ws_map.dtype == torch.int32 and ws_map.shape[2] >= k and ws_map.stride(2) == 1
+    assert ws_map.dtype == torch.int32 and ws_map.shape[1] == heads and ws_map.shape[2] >= k
+    assert ws_map.stride(2) == 1 and block_tables.stride(1) == 1
     assert ws_last.dtype == torch.int64 and ws_last.shape[1:] == (heads, k) and ws_last.stride(2) == 1
     assert 1 <= cap <= k and slots.shape == (n,) and block_tables.shape[0] == n and block_tables.shape[1] >= m
     assert now.dim() == 0 and counters.dtype == torch.int64

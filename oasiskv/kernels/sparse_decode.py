@@ -10,8 +10,8 @@ RoPE already, so the order of the slots does not matter and no positions are nee
 
 Lookahead: a row may carry a *draft row* (the guessed next token), which attends everything its row
 attends plus one extra key/value, its own, passed in directly (it is never written to the working set).
-The draft's G query heads ride in the same program as the row's (2G <= 16 padded ``tl.dot`` rows for
-G <= 8), so each K/V tile is read once for both.
+The draft's G query heads ride in the same program as the row's (2G of the 16 padded ``tl.dot`` rows
+for G <= 8, the next power of two above), so each K/V tile is read once for both.
 
 Kernel 1 (``_sparse_split_kernel``), grid ``(N, Hk, num_splits)``: a program owns the G query heads of
 one kv head of one row and of its draft row (padded to 16 rows for ``tl.dot``) and a run of
@@ -156,7 +156,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     draft_rows: optional int32 ``[N]``: the q row (``>= N``) of row n's draft, -1 = none; each q row
     ``>= N`` must be named by exactly one row. A draft row attends what its row attends plus its own
     key/value ``extra_k/extra_v[draft, h]`` (``[Nq, Hk, D]``, last-dim stride 1); a padding row's
-    draft gets zeros. Needs 2G <= 16.
+    draft gets zeros. (Programs then hold 2G query heads: 16 padded rows up to G = 8, more above.)
     scale: softmax scale. out: optional ``[Nq, Hq, D]`` target (last-dim stride 1), else allocated with
     q's dtype. num_splits: split-K factor over the W slots (default from
     ``paged_decode.default_num_splits`` with the measured wave size); each split covers whole
@@ -179,7 +179,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     group = num_q_heads // num_kv_heads
     has_draft = draft_rows is not None
     if has_draft:
-        assert draft_rows.shape == (n,) and 2 * group <= 16, f"draft rows need 2G <= 16 (G = {group})"
+        assert draft_rows.shape == (n,)
         assert extra_k is not None and extra_v is not None
         for extra in (extra_k, extra_v):
             assert extra.shape == (num_rows, num_kv_heads, head_dim) and extra.stride(2) == 1

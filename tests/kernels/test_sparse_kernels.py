@@ -117,7 +117,7 @@ def test_sparse_decode_fp32(group, head_dim, num_splits):
     _run_sparse(case, num_splits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_sparse_decode_draft_rows(group, num_splits):
     """Lookahead: draft rows ride in their row's program and add their own key/value; rows without a
