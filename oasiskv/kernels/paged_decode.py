@@ -206,6 +206,30 @@ def _wave_size(compiled, device: torch.device) -> int | None:
     return max(1, per_sm) * props.multi_processor_count
 
 
+def split_workspace(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, l, acc) partial buffers for ``out`` ``[rows, Hq, D]`` split ``num_splits`` ways: float32
+    ``[rows, Hq, num_splits]`` twice and ``[rows, Hq, num_splits, D]``. With one split the kernel writes
+    ``out`` directly and never reads them: ``out`` stands in for all three."""
+    if num_splits == 1:
+        return out, out, out
+    rows, heads, head_dim = out.shape
+    m_ws = torch.empty((rows, heads, num_splits), dtype=torch.float32, device=out.device)
+    return m_ws, torch.empty_like(m_ws), torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
+                                                     device=out.device)
+
+
+def merge_splits(workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor,
+                 num_splits: int) -> None:
+    """Merge the partials of ``split_workspace(out, num_splits)`` into ``out`` (nothing for one split)."""
+    if num_splits == 1:
+        return
+    rows, heads, head_dim = out.shape
+    _decode_reduce_kernel[(rows, heads)](
+        *workspace, out, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+    )
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
@@ -253,17 +277,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = max(1, triton.cdiv(max_blocks, blocks_per_split))
     group = num_q_heads // num_kv_heads
     direct = num_splits == 1
-    if direct:  # the workspace arguments are unused: pass ``out`` as a placeholder
-        m_ws = l_ws = acc_ws = out
-    else:
-        m_ws = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        l_ws = torch.empty_like(m_ws)
-        acc_ws = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    workspace = split_workspace(out, num_splits)
     fp32 = torch.float32 in (q.dtype, k_cache.dtype)
 
     compiled = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, m_ws, l_ws, acc_ws,
+        out, *workspace,
         scale * _LOG2E, blocks_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -274,10 +293,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device) or _DEFAULT_WAVE
-    if not direct:
-        _decode_reduce_kernel[(batch, num_q_heads)](
-            m_ws, l_ws, acc_ws, out,
-            num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-        )
+    merge_splits(workspace, out, num_splits)
     return out

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.paged_decode import (_decode_reduce_kernel, _load_q, _softmax_tile, _store_split, _wave_size,
-                                          default_num_splits)
+from oasiskv.kernels.paged_decode import (_load_q, _softmax_tile, _store_split, _wave_size, default_num_splits,
+                                          merge_splits, split_workspace)
 
 _LOG2E = 1.4426950408889634
 # 64 KV tokens per inner-loop iteration (4 slots at B=16), as paged_decode; 4 warps (``_wave_size`` in
@@ -201,17 +201,12 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     assert num_splits >= 1
     slots_per_split = triton.cdiv(triton.cdiv(num_slots, num_splits), slots_per_iter) * slots_per_iter
     direct = num_splits == 1
-    if direct:  # the workspace arguments are unused: pass ``out`` as a placeholder
-        m_ws = l_ws = acc_ws = out
-    else:
-        m_ws = torch.empty((num_rows, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        l_ws = torch.empty_like(m_ws)
-        acc_ws = torch.empty((num_rows, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    workspace = split_workspace(out, num_splits)  # [Nq, Hq, ...]: draft rows have their own partials
     fp32 = torch.float32 in (q.dtype, ws_k.dtype)
 
     compiled = _sparse_split_kernel[(n, num_kv_heads, num_splits)](
         q, ws_k, ws_v, ws_map, seq_slots, local_lens, draft_rows, extra_k, extra_v,
-        out, m_ws, l_ws, acc_ws,
+        out, *workspace,
         scale * _LOG2E, slots_per_split, num_splits, num_slots, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         ws_k.stride(0), ws_k.stride(1), ws_k.stride(2), ws_k.stride(3),
@@ -225,10 +220,5 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device) or _DEFAULT_WAVE
-    if not direct:
-        _decode_reduce_kernel[(num_rows, num_q_heads)](
-            m_ws, l_ws, acc_ws, out,
-            num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-        )
+    merge_splits(workspace, out, num_splits)
     return out
