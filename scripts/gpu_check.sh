@@ -3,6 +3,7 @@
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [gather] [profile] [profile-oasis]
 #        [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]   (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
+# REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram").
 # Needs the fixture models in .fixtures/pycode-19m (or OASISKV_FIXTURES). Writes logs to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,7 @@ export OASISKV_FIXTURES=${OASISKV_FIXTURES:-$PWD/.fixtures/pycode-19m}
 stages=${*:-tests kernels bench}
 summary=()
 HOST_GIB=${HOST_GIB:-96}
+REAL_LENS=${REAL_LENS:-16384,32768}  # oasis-real: context lengths, and REAL_MODES (default: dense sync ngram)
 bench() {  # name, then bench flags: Qwen3-8B shape, random weights; table to the log, last lines shown
   local name=$1; shift
   python3 -m oasiskv.cli --log-level WARNING bench qwen3-8b --max-num-seqs 256 "$@" 2>&1 \
@@ -38,12 +40,13 @@ for stage in $stages; do
           --host-kv-gib 24 --draft "$draft"
       done ;;
     oasis-real)  # (a): the host store this machine's RAM holds; dense for reference
-      for mode in dense "" ngram; do
+      for mode in ${REAL_MODES:-dense sync ngram}; do
         if [ "$mode" = dense ]; then
-          bench real-dense --context-lens 16384,32768 --concurrency max --output-lens 32 --max-num-seqs 64
+          bench real-dense --context-lens "$REAL_LENS" --concurrency max --output-lens 32 --max-num-seqs 64
         else
-          bench "real-${mode:-sync}" --context-lens 16384,32768 --concurrency max --output-lens 32 \
-            --max-num-seqs 64 --kv-mode oasis --host-kv-gib "$HOST_GIB" --draft "$mode"
+          draft=$mode; [ "$mode" = sync ] && draft=""
+          bench "real-$mode" --context-lens "$REAL_LENS" --concurrency max --output-lens 32 \
+            --max-num-seqs 64 --kv-mode oasis --host-kv-gib "$HOST_GIB" --draft "$draft"
         fi
       done ;;
     oasis-emulated)  # (b): a 700 GiB host emulated over 16 GiB (labelled); summaries stay real: HBM bounds it

@@ -9,7 +9,8 @@ not the bench's random ones), runs 3 warm-up decode steps, times ``--timed-steps
 host clock, then records ``--profile-steps`` steps with torch.profiler (CUPTI also sees kernels
 inside CUDA graph replays) and reads the trace: per stream, busy time (union of kernel intervals) per
 step; "overlapping" is the time at least two streams run kernels; "idle" is the time inside the
-kernel window no kernel runs (mostly host work between steps). With ``--compare-prefetch-off`` the
+kernel window no kernel runs (mostly host work between steps). Also: memory copies (count, time,
+longest) and the CUDA runtime calls the host spent most time in. With ``--compare-prefetch-off`` the
 same requests then run with ``prefetch=off`` (graphs recaptured when there are any): for lookahead,
 step t+1's selection and fetch are skipped, the foreground-only baseline; for synchronous retrieval
 selection stops altogether. GPU only; random weights.
@@ -76,7 +77,17 @@ def analyse(trace_path: str, steps: int, top: int) -> dict:
     for i, a in enumerate(streams):
         for b in streams[i + 1:]:
             overlap += _intersect(busy[a], busy[b])
-    result = {"window_ms_per_step": (window[1] - window[0]) / steps / 1e3,
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "dur" in e]
+    host_calls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # total, longest, count
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "dur" in e:
+            total = host_calls[e["name"]]
+            total[0], total[1], total[2] = total[0] + e["dur"], max(total[1], e["dur"]), total[2] + 1
+    result = {"memcpy": {"per_step": len(copies) / steps, "ms_per_step": sum(e["dur"] for e in copies) / steps / 1e3,
+                         "longest_ms": max((e["dur"] for e in copies), default=0) / 1e3},
+              "host_calls": [(n, t / steps / 1e3, m / 1e3, c / steps) for n, (t, m, c) in
+                             sorted(host_calls.items(), key=lambda kv: -kv[1][0])[:5]],
+              "window_ms_per_step": (window[1] - window[0]) / steps / 1e3,
               "gpu_busy_ms_per_step": _length(any_busy) / steps / 1e3,
               "overlap_ms_per_step": _length(_union(overlap)) / steps / 1e3, "streams": {}}
     for s, evs in sorted(by_stream.items(), key=lambda kv: -_length(busy[kv[0]])):
@@ -99,6 +110,10 @@ def report(title: str, wall_ms: float, stats: dict) -> None:
     idle = stats["window_ms_per_step"] - stats["gpu_busy_ms_per_step"]
     print(f"   kernel window {stats['window_ms_per_step']:.2f} ms/step, GPU busy {stats['gpu_busy_ms_per_step']:.2f}, "
           f"idle {idle:.2f}, streams overlapping {stats['overlap_ms_per_step']:.2f}")
+    m = stats["memcpy"]
+    print(f"   memcpy: {m['per_step']:.0f}/step, {m['ms_per_step']:.2f} ms/step, longest {m['longest_ms']:.2f} ms")
+    for name, ms, longest, count in stats["host_calls"]:
+        print(f"   host {name}: {ms:.2f} ms/step (x{count:.0f}, longest {longest:.2f} ms)")
     for stream, s in stats["streams"].items():
         print(f"   {stream}: busy {s['busy_ms_per_step']:.2f} ms/step, {s['kernels_per_step']:.0f} kernels/step")
         for name, ms, count in s["top"]:

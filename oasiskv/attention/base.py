@@ -6,9 +6,10 @@ before ``allocate`` for a prefill without prefix, storing nothing), calls ``allo
 budget it measured (None on CPU), then asks ``make_allocator`` for the matching ``KVAllocator`` the
 scheduler consults. A backend whose ``forward`` reads only the batch's tensors and never syncs the
 host can be captured in CUDA graphs (``supports_cuda_graphs``): the graph runner pads a bucket with
-rows of context length 0 at seq slot ``padding_slot``, asks ``can_graph`` before each replay, and
-calls ``join_side_streams`` before a replay and at the end of each capture (a graph must end with
-every side stream joined).
+rows of context length 0 at seq slot ``padding_slot``, asks ``can_graph`` before each replay, calls
+``join_side_streams`` before and at the end of each capture (a graph must end with every side stream
+joined), then keeps the capture's ``graph_tail``: work the step defers past its graph, which it hands
+to ``run_graph_tail`` after each replay of that graph once the step's outputs have been read.
 """
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ class AttentionBackend(ABC):
 
     def join_side_streams(self) -> None:
         """Order the current stream after any work the backend left on side streams."""
+
+    def graph_tail(self):
+        """After a capture: what the captured step left to run after each replay (None: nothing)."""
+        return None
+
+    def run_graph_tail(self, tail) -> None:
+        """Start a replayed graph's ``graph_tail`` (the replay has completed: its outputs were read).
+        The next replay must be ordered after it by the graph itself."""
 
     @abstractmethod
     def allocate(self, budget_bytes: int | None) -> None:

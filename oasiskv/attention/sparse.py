@@ -21,9 +21,11 @@ CUDA graphs: decode reads only the batch's tensors and device state (the step st
 device scalar), so it is captured like dense decode. Graph padding rows use a scratch working-set
 slot (``padding_slot``, never handed out) at position 0: they select, fetch and summarise nothing.
 With a drafter that guesses for every sequence the graph carries one draft row per row; a step where
-some sequence has no guess runs eagerly. Inside a graph the prefetch stages of layer l overlap layers
-l+1.. of the same step and are joined when the step ends (a graph cannot leave work pending); eager
-steps leave them pending until the next step reaches layer l.
+some sequence has no guess runs eagerly. Inside a graph only the selections are captured (they overlap
+layers l+1.. and are joined when the step ends); each layer's copy is the graph's tail (``graph_tail``),
+launched on the copy stream after the replay (``run_graph_tail``), so it overlaps the host's work
+between steps and the next step's layers ..l-1; that step's layer l waits for it. Eager steps leave
+their stages pending until the next step reaches layer l.
 """
 from __future__ import annotations
 
@@ -70,7 +72,12 @@ class SparseBackend(AttentionBackend):
         self._draft_rows: torch.Tensor | None = None  # this decode step's q row of each row's draft
         # hits, misses, fetched, decode rows: summed on the device, read once per step
         self._counters = torch.zeros(4, dtype=torch.long, device=device)
-        self.pipeline = PrefetchPipeline(model_config.num_layers, device, config.prefetch == "async")
+        self.pipeline = PrefetchPipeline(model_config.num_layers, device,
+                                         config.prefetch == "async" and bool(config.draft))
+        #: per layer, int64 ``[3, max_num_seqs * Hk * cap]``: the lookahead fetch's copy list (``copy_list``
+        #: rows), allocated with the storage, outside any graph pool: the copy a replay leaves behind reads
+        #: it after the graph is done (and another bucket's replay may reuse the pool)
+        self._copy_lists: list[torch.Tensor] = []
         #: callables (kind, layer, seq slots [N], top-K blocks [N, Hk, K']) told, per decode step and layer,
         #: the current query's top-K ("current") and, with lookahead, the predicted one for the next step
         self.observers: list = []
@@ -90,6 +97,10 @@ class SparseBackend(AttentionBackend):
         self.host = HostStore(lay, num_host_blocks, pin=pinned, num_physical=num_physical)
         self.summaries = SummaryStore(lay, num_host_blocks, self.device, self.config.score_alpha)
         self.ws = WorkingSet(lay, int(slots) + 1, self.device)  # + the graph padding rows' scratch slot
+        if self.config.draft and self.config.prefetch != "off":
+            items = self.config.max_num_seqs * lay.num_kv_heads * self.cap
+            self._copy_lists = [torch.full((3, items), -1, dtype=torch.long, device=self.device)
+                                for _ in range(lay.num_layers)]
         logger.info("tiered KV: %d host blocks (%d tokens), %d working-set slots of K=%d blocks "
                     "(%.2f GiB HBM), summaries %.2f GiB HBM, fetch cap %d blocks/head/layer/step",
                     num_host_blocks, num_host_blocks * lay.block_size, slots, lay.topk_blocks,
@@ -120,6 +131,13 @@ class SparseBackend(AttentionBackend):
 
     def join_side_streams(self) -> None:
         self.pipeline.join()
+
+    def graph_tail(self) -> list:
+        return self.pipeline.take_captured()
+
+    def run_graph_tail(self, tail: list) -> None:
+        if tail:
+            self.pipeline.run_captured(tail)
 
     def decode_read_bytes(self, context_lens: list[int]) -> int:
         """Working-set slots actually attended (at most K full blocks + the local block) plus the summaries
@@ -251,9 +269,13 @@ class SparseBackend(AttentionBackend):
             self._select(layer, q, slots, tables, complete, notify="predicted")
             return
         now = self._now.clone()  # this step's stamp: the next step bumps _now before this stage may run
+        out = self._copy_lists[layer][:, :slots.shape[0] * self.layout.num_kv_heads * self.cap]
 
-        self.pipeline.launch(layer, lambda: self._select(layer, q, slots, tables, complete, fetch=False, now=now),
-                             lambda plan: self.ws.fetch(layer, self.host, slots, *plan),
+        def select() -> torch.Tensor:
+            plan = self._select(layer, q, slots, tables, complete, fetch=False, now=now)
+            return self.ws.copy_list(self.host, slots, *plan, out=out)
+
+        self.pipeline.launch(layer, select, lambda items: self.ws.gather(layer, self.host, items),
                              keep=(q, slots, tables, complete, now))
 
     def _select(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,

@@ -9,6 +9,7 @@ buckets share one memory pool.
 """
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -46,6 +47,8 @@ class CudaGraphRunner:
             draft_of=torch.arange(max_bs, device=device) if self.draft_rows else None,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.tails: dict[int, object] = {}  # the backend's graph_tail of each bucket
+        self._tail_due = None  # the tail of the last replay, not yet started
         self.outputs: dict[int, torch.Tensor] = {}
         self.aux: dict[int, list[torch.Tensor]] = {}  # the model's aux hidden states, per bucket
         self._capture()
@@ -58,6 +61,16 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        # a CUDA graph destroyed by the garbage collector while another is being captured (e.g. one of
+        # an engine dropped earlier) invalidates that capture: collect first, then hold collection off
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_buckets()
+        finally:
+            gc.enable()
+
+    def _capture_buckets(self) -> None:
         pool = None
         for bs in reversed(self.buckets):
             view = self._view(bs)
@@ -68,6 +81,7 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[bs] = self.model(view.input_ids, view.positions)
                     self.backend.join_side_streams()
+                self.tails[bs] = self.backend.graph_tail()
                 self.aux[bs] = list(self.model.aux_hidden_states)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
@@ -100,10 +114,17 @@ class CudaGraphRunner:
         s.seq_slots[:bs].copy_(batch.seq_slots)
         s.context_lens[bs:padded].fill_(0)
         s.seq_slots[bs:padded].fill_(self.backend.padding_slot)
-        self.backend.join_side_streams()
-        self.graphs[padded].replay()
+        self.graphs[padded].replay()  # it waits itself for what the last step left on side streams
+        self._tail_due = self.tails[padded]
         if self.model.aux_layers:  # drafters read the real rows' features after the step
             assert self.aux[padded], "graphs captured before the model's aux_layers were set"
             self.model.aux_hidden_states = [a[:bs] for a in self.aux[padded]]
         out = self.outputs[padded]
         return torch.cat([out[:bs], out[padded:padded + bs]]) if self.draft_rows else out[:bs]
+
+    def finish_step(self) -> None:
+        """Start the last replay's tail (the backend's work that outlives the graph, e.g. the lookahead
+        copies). Call once the step's outputs have been read, and before the next forward."""
+        tail, self._tail_due = self._tail_due, None
+        if tail is not None:
+            self.backend.run_graph_tail(tail)

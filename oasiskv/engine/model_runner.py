@@ -105,20 +105,30 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
-        """One step: forward, then sample the next token of every sequence whose tokens are all computed."""
-        return self._sample(batch, self.forward(batch))
+        """One step: forward, then sample the next token of every sequence whose tokens are all computed.
+        Once the tokens are on the host, a replayed graph's tail starts (it overlaps the host's work
+        until the next step)."""
+        result = self._sample(batch, self.forward(batch))
+        self._finish_graph_step()
+        return result
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the model over the batch's new tokens -> final hidden states ``[T, hidden]``. Runs with
         the engine's GPU current (Triton launches on the current device; callers may be other threads)."""
         with self._device_scope():
+            self._finish_graph_step()  # a forward-only caller's last replay: its tail runs before this step
             fb = self._prepare(batch)
             if (not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch))
                     and self.backend.can_graph(fb)):
                 return self.graphs.run(fb)
             with forward_context(fb, self.backend):
                 return self.model(fb.input_ids, fb.positions)
+
+    def _finish_graph_step(self) -> None:
+        if self.graphs is not None:
+            with self._device_scope():
+                self.graphs.finish_step()
 
     def _device_scope(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()

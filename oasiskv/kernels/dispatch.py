@@ -20,6 +20,7 @@ _KERNELS = {
     "gather_blocks": ("uva_gather", "gather_blocks", "gather_blocks_ref"),
     "block_minmax": ("summaries", "block_minmax", "block_minmax_ref"),
     "select_blocks": ("select_blocks", "select_blocks", "select_blocks_ref"),
+    "wait_ready": ("wait_ready", "wait_ready", "wait_ready_ref"),
 }
 
 

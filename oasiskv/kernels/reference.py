@@ -1,5 +1,6 @@
 """Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``, ``fused_ops``,
-and the sparse path: ``sparse_decode``, ``block_scores``, ``uva_gather``, ``summaries``).
+and the sparse path: ``sparse_decode``, ``block_scores``, ``uva_gather``, ``summaries``,
+``select_blocks``, ``wait_ready``).
 
 Same signatures and semantics as the kernels; math in fp32. The engine uses them on CPU, so they are
 vectorized over the batch (they do sync the host, e.g. on ``context_lens.max()``, so they are not
@@ -186,6 +187,13 @@ def gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws
     for host, ws in ((host_k, ws_k), (host_v, ws_v)):
         src = host[src_block[keep].long().to(host.device), layer, src_head[keep].long().to(host.device)]
         ws.view(-1, block_size, head_dim)[dst_slot[keep].long().to(ws.device)] = src.to(ws.device, ws.dtype)
+
+
+def wait_ready_ref(done: torch.Tensor, target: torch.Tensor, timed_out: torch.Tensor, max_polls: int) -> None:
+    """As ``wait_ready`` where nothing runs concurrently: ``done`` cannot advance while this waits, so it
+    either holds already or the wait times out (``timed_out[0] = 1``)."""
+    if done.item() < target.item():
+        timed_out.fill_(1)
 
 
 def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summaries: torch.Tensor,

@@ -69,12 +69,22 @@ class WorkingSet:
               dst_slots: torch.Tensor) -> None:
         """Copy host blocks ``host_blocks`` ``[N, Hk, X]`` (-1 = skip) of head h into working-set slot
         ``dst_slots[n, h, x]`` of sequence slot ``slots[n]``."""
+        self.gather(layer, host, self.copy_list(host, slots, host_blocks, dst_slots))
+
+    def copy_list(self, host: HostStore, slots: torch.Tensor, host_blocks: torch.Tensor, dst_slots: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """The slices ``fetch`` moves, as int64 ``[3, N * Hk * X]`` rows (physical host block, -1 = skip;
+        kv head; flat working-set slot of the layer), written into ``out`` when given (that shape)."""
         n, heads, x = host_blocks.shape
-        host_blocks = host.physical_blocks(host_blocks)
         head = self._heads.view(1, heads, 1).expand(n, heads, x)
         flat_dst = (slots.long().view(n, 1, 1) * heads + head) * self.layout.slots + dst_slots.clamp(min=0)
-        self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], host_blocks.flatten(),
-                     head.flatten(), flat_dst.flatten(), num_programs=_GATHER_PROGRAMS, items_per_iter=_GATHER_ITEMS)
+        items = torch.stack([host.physical_blocks(host_blocks), head, flat_dst]).view(3, -1)
+        return items if out is None else out.copy_(items)
+
+    def gather(self, layer: int, host: HostStore, items: torch.Tensor) -> None:
+        """Copy the slices of a ``copy_list`` ``[3, M]`` from the host store into ``layer``'s working set."""
+        self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], items[0], items[1], items[2],
+                     num_programs=_GATHER_PROGRAMS, items_per_iter=_GATHER_ITEMS)
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor, block: torch.Tensor,
                       now: int | torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.kv import prefetch
 from tests.engine.test_oasis import dense_tokens, prompts
 from tests.helpers import eval_prompts, write_tiny_checkpoint
 
@@ -60,23 +61,33 @@ def test_prefetch_off_fetches_nothing_after_seeding(tiny):
     assert [o.token_ids for o in full.generate(batch, PARAMS)] == dense_tokens(tiny, batch, PARAMS)
 
 
-@pytest.mark.parametrize("prefetch", ["async", "inline"])
-def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkeypatch, prefetch):
-    # eager: a captured graph launches no stage from the host (a fault there shows when capturing)
+@pytest.mark.parametrize("prefetch,enforce_eager", [
+    ("async", True), ("inline", True),
+    # graphs: the copies a replay leaves behind are launched from the host after the step
+    pytest.param("async", False, marks=pytest.mark.gpu, id="async-graphs")])
+def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkeypatch, prefetch, enforce_eager):
+    if not enforce_eager and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="ngram",
-              prefetch=prefetch, enforce_eager=True)
+              prefetch=prefetch, enforce_eager=enforce_eager)
     engine, ws = llm.engine, llm.engine.runner.backend.ws
+    assert (engine.runner.graphs is None) == enforce_eager
     engine.add_request(prompts(1, lo=120, hi=121, seed=23)[0], PARAMS, request_id="doomed")
     engine.step()  # prefill (seeding fetches through the same copy)
     engine.step()  # a healthy decode step with a prefetch stage
-    real_fetch, broken = ws.fetch, {"on": True}
+    broken = {"on": True}
 
-    def fetch(*args):
-        if broken["on"]:
-            raise RuntimeError("host copy failed")
-        return real_fetch(*args)
+    def failing(real):
+        def call(*args):
+            if broken["on"]:
+                raise RuntimeError("host copy failed")
+            return real(*args)
+        return call
 
-    monkeypatch.setattr(ws, "fetch", fetch)
+    monkeypatch.setattr(ws, "gather", failing(ws.gather))
+    if not enforce_eager:  # a replay's copies are launched as one graph (the step's tail)
+        for tail in engine.runner.graphs.tails.values():
+            monkeypatch.setattr(tail.graph, "replay", failing(tail.graph.replay))
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("doomed", "error")]
     assert "host copy failed" in outs[0].error
@@ -85,7 +96,8 @@ def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkey
     assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
     broken["on"] = False  # the engine goes on serving, with correct results
     batch = prompts(2, lo=90, hi=200, seed=24)
-    kw = dict(kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="ngram", prefetch=prefetch)
+    kw = dict(kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="ngram", prefetch=prefetch,
+              enforce_eager=enforce_eager)
     assert run(llm, batch)[0] == run(LLM(str(tiny), **kw), batch)[0]
 
 
@@ -147,8 +159,9 @@ def assert_same_run(got, want):
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path, enforce_eager):
-    """Each gather is held back ~10 ms on the copy stream: the foreground must wait for it (eager: on
-    the layer's event at the next step; graphs: the join that ends every captured step)."""
+    """Each gather is held back ~10 ms on the copy stream: the foreground must wait for it at the next
+    step's layer (eager: on the layer's event; graphs: the replay's device-side wait on the copy the
+    previous replay left behind)."""
     inline_llm = oasis_fixture_llm(fixtures_path, prefetch="inline", enforce_eager=True)
     batch = eval_prompts(fixtures_path, inline_llm, 6, 700)
     want, totals = run(inline_llm, batch, FIXTURE_PARAMS)
@@ -161,12 +174,35 @@ def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path
     if not enforce_eager:  # the delay must be inside the graphs: capture again
         slow.engine.runner.graphs._capture()
     assert_same_run(run(slow, batch, FIXTURE_PARAMS)[0], want)
-    if enforce_eager:  # control: without the per-layer wait the slowed copy is visible
-        kept = []  # (the stages' tensors stay referenced: only the ordering is broken)
-        pipeline.wait = lambda layer: kept.append(pipeline._pending[layer])
-        broken = run(slow, batch, FIXTURE_PARAMS)[0]
-        torch.cuda.synchronize()
-        assert broken != want
+    # control: without the per-layer wait the slowed copy is visible
+    kept = []  # (the stages' tensors stay referenced: only the ordering is broken)
+    pipeline.wait = lambda layer: kept.append(pipeline._pending[layer])
+    if not enforce_eager:  # the graphs must be captured without their wait nodes
+        slow.engine.runner.graphs._capture()
+    broken = run(slow, batch, FIXTURE_PARAMS)[0]
+    torch.cuda.synchronize()
+    assert broken != want
+
+
+@pytest.mark.gpu
+def test_a_copy_that_never_arrives_fails_its_step_instead_of_hanging(cuda_device, fixtures_path, monkeypatch):
+    llm = oasis_fixture_llm(fixtures_path)
+    engine, pipeline = llm.engine, llm.engine.runner.backend.pipeline
+    monkeypatch.setattr(prefetch, "WAIT_POLLS", 1000)  # far shorter than a copy held back 10 ms
+    pipeline.copy_delay_cycles = 20_000_000
+    engine.runner.graphs._capture()
+    batch = eval_prompts(fixtures_path, llm, 3, 700, seed=3)
+    for p in batch:
+        engine.add_request(p, FIXTURE_PARAMS)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert len(outs) == 3 and all(o.finish_reason == "error" and "waited more than" in o.error for o in outs)
+    pipeline.copy_delay_cycles = 0  # the engine goes on serving, with correct results
+    monkeypatch.undo()
+    engine.runner.graphs._capture()
+    want = run(oasis_fixture_llm(fixtures_path, prefetch="inline", enforce_eager=True), batch, FIXTURE_PARAMS)[0]
+    assert_same_run(run(llm, batch, FIXTURE_PARAMS)[0], want)
 
 
 @pytest.mark.gpu
