@@ -9,8 +9,9 @@ not the bench's random ones), runs 3 warm-up decode steps, times ``--timed-steps
 host clock, then records ``--profile-steps`` steps with torch.profiler (CUPTI also sees kernels
 inside CUDA graph replays) and reads the trace: per stream, busy time (union of kernel intervals) per
 step; "overlapping" is the time at least two streams run kernels; "idle" is the time inside the
-kernel window no kernel runs (mostly host work between steps). Also: memory copies (count, time,
-longest) and the CUDA runtime calls the host spent most time in. With ``--compare-prefetch-off`` the
+kernel window no kernel runs (mostly host work between steps). Also: the time graph replays spent in
+their device-side waits for the previous step's lookahead copies (the foreground stall), memory copies
+(count, time, longest) and the CUDA runtime calls the host spent most time in. With ``--compare-prefetch-off`` the
 same requests then run with ``prefetch=off`` (graphs recaptured when there are any): for lookahead,
 step t+1's selection and fetch are skipped, the foreground-only baseline; for synchronous retrieval
 selection stops altogether. GPU only; random weights.
@@ -83,7 +84,8 @@ def analyse(trace_path: str, steps: int, top: int) -> dict:
         if e.get("cat") == "cuda_runtime" and "dur" in e:
             total = host_calls[e["name"]]
             total[0], total[1], total[2] = total[0] + e["dur"], max(total[1], e["dur"]), total[2] + 1
-    result = {"memcpy": {"per_step": len(copies) / steps, "ms_per_step": sum(e["dur"] for e in copies) / steps / 1e3,
+    waits = [e["dur"] for e in kernels if e["name"] == "_wait_kernel"]  # captured steps' waits for copies
+    result = {"copy_waits_ms_per_step": sum(waits) / steps / 1e3, "memcpy": {"per_step": len(copies) / steps, "ms_per_step": sum(e["dur"] for e in copies) / steps / 1e3,
                          "longest_ms": max((e["dur"] for e in copies), default=0) / 1e3},
               "host_calls": [(n, t / steps / 1e3, m / 1e3, c / steps) for n, (t, m, c) in
                              sorted(host_calls.items(), key=lambda kv: -kv[1][0])[:5]],
@@ -110,6 +112,8 @@ def report(title: str, wall_ms: float, stats: dict) -> None:
     idle = stats["window_ms_per_step"] - stats["gpu_busy_ms_per_step"]
     print(f"   kernel window {stats['window_ms_per_step']:.2f} ms/step, GPU busy {stats['gpu_busy_ms_per_step']:.2f}, "
           f"idle {idle:.2f}, streams overlapping {stats['overlap_ms_per_step']:.2f}")
+    print(f"   foreground waiting for lookahead copies (wait_ready kernels): {stats['copy_waits_ms_per_step']:.2f} "
+          f"ms/step")
     m = stats["memcpy"]
     print(f"   memcpy: {m['per_step']:.0f}/step, {m['ms_per_step']:.2f} ms/step, longest {m['longest_ms']:.2f} ms")
     for name, ms, longest, count in stats["host_calls"]:
