@@ -41,7 +41,7 @@ from oasiskv.kernels.dispatch import kernel
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
-from oasiskv.kv.prefetch import PrefetchPipeline
+from oasiskv.kv.prefetch import PrefetchPipeline, Tail
 from oasiskv.kv.summaries import SummaryStore
 from oasiskv.kv.working_set import WorkingSet
 
@@ -132,11 +132,11 @@ class SparseBackend(AttentionBackend):
     def join_side_streams(self) -> None:
         self.pipeline.join()
 
-    def graph_tail(self) -> list:
+    def graph_tail(self) -> Tail | None:
         return self.pipeline.take_captured()
 
-    def run_graph_tail(self, tail: list) -> None:
-        if tail:
+    def run_graph_tail(self, tail: Tail | None) -> None:
+        if tail is not None:
             self.pipeline.run_captured(tail)
 
     def decode_read_bytes(self, context_lens: list[int]) -> int:

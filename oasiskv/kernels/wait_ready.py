@@ -3,9 +3,10 @@ memory, advanced by work on another stream, reaches a target.
 
 Why a kernel: a CUDA graph replay that must wait, at one point inside it, for work launched outside
 it (the lookahead copies a previous replay left on the copy stream) has no stream order to use. An
-external event-wait node expresses it, but on the H200 here a replay holding such nodes did not start
-until every awaited copy had finished (docs/benchmarks.md, the decode-step profile). A one-program
-kernel that polls the counter holds up only the nodes behind it.
+external event-wait node can express it, but which record of a re-recorded event such a node binds
+to is not spelled out, and an event wait cannot time out. A counter that the waiting side compares
+with a target makes the ordering explicit, and a copy that never comes becomes an error, not a hang.
+A one-program kernel holds up only the nodes behind it.
 
 Contract: ``done`` and ``target`` are int64 device scalars; the kernel returns once ``done >= target``
 (both read with volatile loads), or after ``max_polls`` polls, in which case it sets ``timed_out[0]``
