@@ -116,8 +116,8 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the model over the batch's new tokens -> final hidden states ``[T, hidden]``. Runs with
         the engine's GPU current (Triton launches on the current device; callers may be other threads)."""
+        self._finish_graph_step()  # a forward-only caller's last replay: its tail runs before this step
         with self._device_scope():
-            self._finish_graph_step()  # a forward-only caller's last replay: its tail runs before this step
             fb = self._prepare(batch)
             if (not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch))
                     and self.backend.can_graph(fb)):
