@@ -156,6 +156,9 @@ class EngineConfig:
     emulated_host_gib: float = _opt(0.0, "BENCHMARK ONLY: size the host-block allocator and the summaries for this "
                                     "many GiB while the pinned store holds host_kv_gib; requests share physical "
                                     "host blocks, so their KV contents are garbage", cli=False)
+    measure_stall: bool = _opt(False, "oasis, for benchmarks: time the foreground's prefetch stalls (device clock "
+                               "marks around each wait and each in-line selection, read with a sync every step)",
+                               cli=False)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):

@@ -3,7 +3,9 @@
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [gather] [profile] [profile-oasis]
 #        [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]   (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
-# REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram").
+# REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
+# (default 64) bounds its oasis batch (a larger host store holds more requests). EMU_PREFETCH (default
+# "async off") narrows oasis-emulated.
 # Needs the fixture models in .fixtures/pycode-19m (or OASISKV_FIXTURES). Writes logs to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,11 +48,11 @@ for stage in $stages; do
         else
           draft=$mode; [ "$mode" = sync ] && draft=""
           bench "real-$mode" --context-lens "$REAL_LENS" --concurrency max --output-lens 32 \
-            --max-num-seqs 64 --kv-mode oasis --host-kv-gib "$HOST_GIB" --draft "$draft"
+            --max-num-seqs "${REAL_MAX_SEQS:-64}" --kv-mode oasis --host-kv-gib "$HOST_GIB" --draft "$draft"
         fi
       done ;;
     oasis-emulated)  # (b): a 700 GiB host emulated over 16 GiB (labelled); summaries stay real: HBM bounds it
-      for prefetch in async off; do
+      for prefetch in ${EMU_PREFETCH:-async off}; do
         bench "emulated-$prefetch" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
           --prefetch "$prefetch"

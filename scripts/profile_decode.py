@@ -158,7 +158,7 @@ def main() -> None:
         sys.exit("profile_decode.py takes one --context-lens and one --concurrency (numbers)")
     phases = 2 if args.compare_prefetch_off else 1
     args.output_lens = str(phases * (args.timed_steps + args.profile_steps + 5) + 2)
-    config = config_from_args(args)
+    config = dataclasses.replace(config_from_args(args), measure_stall=False)  # the engine as served: no clock marks
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=int(args.output_lens), temperature=0.0, ignore_eos=True)
     for i in range(concurrency):

@@ -73,7 +73,7 @@ class SparseBackend(AttentionBackend):
         # hits, misses, fetched, decode rows: summed on the device, read once per step
         self._counters = torch.zeros(4, dtype=torch.long, device=device)
         self.pipeline = PrefetchPipeline(model_config.num_layers, device,
-                                         config.prefetch == "async" and bool(config.draft))
+                                         config.prefetch == "async" and bool(config.draft), config.measure_stall)
         #: per layer, int64 ``[3, max_num_seqs * Hk * cap]``: the lookahead fetch's copy list (``copy_list``
         #: rows), allocated with the storage, outside any graph pool: the copy a replay leaves behind reads
         #: it after the graph is done (and another bucket's replay may reuse the pool)
@@ -165,7 +165,7 @@ class SparseBackend(AttentionBackend):
                  "hbm_bytes_in_use": used_slots * lay.working_set_bytes
                  + self.host.num_blocks * lay.summary_bytes_per_block}
         stall = self.pipeline.stall_seconds()
-        if stall is not None:  # timed only when measuring, on eager steps
+        if stall is not None:  # timed only when measuring
             stats["stall_seconds"] = stall
         return stats
 

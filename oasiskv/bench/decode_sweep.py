@@ -6,8 +6,9 @@ prefilled (not timed), then every decode step is timed. Reported per point: outp
 step over step time) and its ratio to the measured device copy bandwidth (the roofline). In oasis
 mode also host->HBM bytes/s over PCIe and the foreground stall per step: time the decode stream
 waited for prefetch (async) or spent selecting and fetching (synchronous retrieval, inline), timed
-with CUDA events on eager steps; graph replays cannot be timed inside ("-"): there the exposed
-prefetch time is TPOT with ``--prefetch async`` minus TPOT with ``--prefetch off``. With
+on the device by clock marks (graph replays included; the marks add two one-program kernels per
+layer). What the side stages cost the foreground by sharing the GPU is not stall: that is TPOT with
+``--prefetch async`` minus TPOT with ``--prefetch off``. With
 ``--emulated-host-gib`` requests share physical host blocks (a benchmark-only capacity emulation):
 every such point is labelled EMULATED in the table and the JSON. With
 ``--engine hf`` transformers' ``generate`` runs the same points in the same process as a baseline.
@@ -98,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs,
                         kv_mode=args.kv_mode, topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio,
                         host_kv_gib=args.host_kv_gib, draft=args.draft, prefetch=args.prefetch,
-                        emulated_host_gib=args.emulated_host_gib)
+                        emulated_host_gib=args.emulated_host_gib, measure_stall=args.kv_mode == "oasis")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -112,8 +113,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     if "oasiskv" in engines:
         engine = LLMEngine(config)
         env = _environment(engine)
-        if config.kv_mode == "oasis":
-            engine.runner.backend.pipeline.measure = True
         grid = [(c, n, o) for c in contexts for n in concurrencies for o in outputs]
         for ctx, conc, out in tqdm(grid, desc="oasiskv bench", file=sys.stderr):
             points.append(bench_point(engine, ctx, conc, out, env, args.seed))

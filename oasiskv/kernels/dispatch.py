@@ -21,6 +21,7 @@ _KERNELS = {
     "block_minmax": ("summaries", "block_minmax", "block_minmax_ref"),
     "select_blocks": ("select_blocks", "select_blocks", "select_blocks_ref"),
     "wait_ready": ("wait_ready", "wait_ready", "wait_ready_ref"),
+    "clock_add": ("device_clock", "clock_add", "clock_add_ref"),
 }
 
 

@@ -1,11 +1,13 @@
 """Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``, ``fused_ops``,
 and the sparse path: ``sparse_decode``, ``block_scores``, ``uva_gather``, ``summaries``,
-``select_blocks``, ``wait_ready``).
+``select_blocks``, ``wait_ready``, ``device_clock``).
 
 Same signatures and semantics as the kernels; math in fp32. The engine uses them on CPU, so they are
 vectorized over the batch (they do sync the host, e.g. on ``context_lens.max()``, so they are not
 CUDA-graph capturable).
 """
+import time
+
 import torch
 
 
@@ -194,6 +196,13 @@ def wait_ready_ref(done: torch.Tensor, target: torch.Tensor, timed_out: torch.Te
     either holds already or the wait times out (``timed_out[0] = 1``)."""
     if done.item() < target.item():
         timed_out.fill_(1)
+
+
+def clock_add_ref(acc: torch.Tensor, sign: int) -> None:
+    """As ``clock_add`` with the host clock (ns): on CPU tensors work is done when issued, so a pair of
+    marks around it times it."""
+    assert acc.dtype == torch.int64 and acc.numel() == 1 and sign in (-1, 1)
+    acc += sign * time.perf_counter_ns()
 
 
 def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summaries: torch.Tensor,

@@ -35,13 +35,14 @@ operations in the same order. An exception raised while launching a stage propag
 whatever the stage had already queued, so none of its inputs is reused under it.
 
 Stall clock: with ``measure`` set, the foreground time spent waiting for stages (async) or running
-them (inline / synchronous retrieval) is timed with CUDA events and read by ``stall_seconds``.
+them (inline / synchronous retrieval) is added up on the device by clock marks around it
+(``kernels/device_clock.py``), in eager steps and graph replays alike, and read by ``stall_seconds``.
+It must be set when the pipeline is made: captured graphs keep the marks they were captured with.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import Any, Callable
 
 import torch
@@ -60,15 +61,19 @@ class Tail:
 
 
 class PrefetchPipeline:
-    def __init__(self, num_layers: int, device: torch.device, asynchronous: bool):
+    def __init__(self, num_layers: int, device: torch.device, asynchronous: bool, measure: bool = False):
         self.cuda = device.type == "cuda"
         self.asynchronous = asynchronous and self.cuda
-        self.measure = False
+        self.measure = measure
         self.copy_delay_cycles = 0  # tests: hold the copy stream this many GPU cycles before each gather
         self._pending: list[Any] = [None] * num_layers  # (keep, plan, event marking the layer ready)
         self._captured: list[tuple[int, Callable[[Any], None], Any]] = []
-        self._marks: list = []
-        self._stall_host: float | None = None
+        self._stall_ns = torch.zeros(1, dtype=torch.long, device=device)  # the stall clock (``measure``)
+        self._clock = kernel("clock_add", self.cuda)
+        if measure:  # compile the mark now, not first inside a capture
+            with self.stall():
+                pass
+            self._stall_ns.zero_()
         self._last_selected: torch.cuda.Event | None = None
         self._busy: set = set()  # side streams holding work not yet joined
         if self.asynchronous:
@@ -160,7 +165,8 @@ class PrefetchPipeline:
         """Order the foreground stream after ``layer``'s pending stages (none: no-op). Inside a capture,
         always: the replay waits for the copy the previous replay left for this layer."""
         if self.asynchronous and torch.cuda.is_current_stream_capturing():
-            self._wait_ready(self._copied[layer], self._issued[layer], self._timed_out, WAIT_POLLS)
+            with self.stall():
+                self._wait_ready(self._copied[layer], self._issued[layer], self._timed_out, WAIT_POLLS)
             return
         if self._pending[layer] is None:
             return
@@ -188,29 +194,22 @@ class PrefetchPipeline:
 
     @contextlib.contextmanager
     def stall(self):
-        """Time the foreground work inside (when ``measure``): CUDA events on the current stream."""
-        if not self.measure or (self.cuda and torch.cuda.is_current_stream_capturing()):
+        """Add the foreground work inside to the stall clock (when ``measure``): a device clock mark on
+        the current stream before and after it, captured into graphs like any kernel."""
+        if not self.measure:
             yield
             return
-        if not self.cuda:
-            t0 = time.perf_counter()
+        self._clock(self._stall_ns, -1)
+        try:
             yield
-            self._stall_host = (self._stall_host or 0.0) + time.perf_counter() - t0
-            return
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        yield
-        end.record()
-        self._marks.append((begin, end))
+        finally:
+            self._clock(self._stall_ns, 1)
 
     def stall_seconds(self) -> float | None:
-        """Foreground stall time since the last call (waits for the timed events); None when nothing was
-        timed (not measuring, or the steps were graph replays: events inside a graph are not timed)."""
-        if not self._marks and self._stall_host is None:
+        """Foreground stall time since the last call (reads the device clock: syncs the current stream);
+        None when not measuring."""
+        if not self.measure:
             return None
-        total, self._stall_host = self._stall_host or 0.0, None
-        for begin, end in self._marks:
-            end.synchronize()
-            total += begin.elapsed_time(end) / 1e3
-        self._marks.clear()
-        return total
+        ns = self._stall_ns.item()
+        self._stall_ns.zero_()
+        return ns / 1e9
