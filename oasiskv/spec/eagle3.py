@@ -51,13 +51,15 @@ class Eagle3Head(nn.Module):
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_ref(x, self.norms[name], self.eps)
 
-    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
-                cache: dict | None = None) -> torch.Tensor:
-        """Causal pass over consecutive positions: features ``[T, 3H]`` (target residual streams at
-        positions i, concatenated in ``aux_layers`` order), next_embeds ``[T, H]`` (embedding of token
-        i+1) -> target-vocabulary ids ``[T]`` of the guessed token i+2. With ``cache`` (a dict, empty at
-        first) the positions continue the ones already cached there, whose K/V the pass attends to and
-        extends."""
+    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Causal pass over the positions of one sequence from its start: features ``[T, 3H]`` (target
+        residual streams at positions i, concatenated in ``aux_layers`` order), next_embeds ``[T, H]``
+        (embedding of token i+1) -> target-vocabulary ids ``[T]`` of the guessed token i+2."""
+        fused, q, k, v = self.project(features, next_embeds, positions)
+        return self.finish(fused, self.attend(q, k.transpose(0, 1), v.transpose(0, 1), 0))
+
+    def project(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor):
+        """Rows of any sequences -> ``fused [T, H]``, RoPE'd ``q [T, Hq, D]``, ``k``/``v [T, Hk, D]``."""
         t = features.shape[0]
         fused = self.fc(features)
         x = torch.cat([self._norm("input_layernorm", next_embeds), self._norm("hidden_norm", fused)], dim=-1)
@@ -65,23 +67,56 @@ class Eagle3Head(nn.Module):
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         qk_norm_rope_ref(q, k, positions, self.rotary.cos_sin, None, None, self.eps)  # RoPE in place
-        k, v = k.transpose(0, 1), v.transpose(0, 1)                       # [Hk, T, D]
-        mask = None
-        if cache is not None:
-            if "k" in cache:
-                k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
-                past = k.shape[1] - t
-                mask = torch.arange(k.shape[1], device=k.device)[None, :] <= past + torch.arange(t, device=k.device)[:, None]
-            cache["k"], cache["v"] = k, v
-        group = self.heads // self.kv_heads
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.repeat_interleave(group, 0)[None],
-                                              v.repeat_interleave(group, 0)[None], attn_mask=mask,
-                                              is_causal=mask is None)
-        h = fused + self.o_proj(attn[0].transpose(0, 1).reshape(t, -1))
+        return fused, q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+        """One sequence: queries ``[n, Hq, D]`` at its positions ``past .. past+n-1`` over its keys and
+        values ``[Hk, past+n, D]`` (causal) -> ``[n, Hq * D]``."""
+        n, total = q.shape[0], k.shape[1]
+        q4 = q.transpose(0, 1)[None]
+        if n == 1:  # a decode row sees every key: no mask, grouped heads without copying the keys
+            out = F.scaled_dot_product_attention(q4, k[None], v[None], enable_gqa=True)
+        else:
+            group = self.heads // self.kv_heads
+            mask = None if past == 0 else (torch.arange(total, device=q.device)[None, :]
+                                           <= past + torch.arange(n, device=q.device)[:, None])
+            out = F.scaled_dot_product_attention(q4, k.repeat_interleave(group, 0)[None],
+                                                 v.repeat_interleave(group, 0)[None], attn_mask=mask,
+                                                 is_causal=mask is None)
+        return out[0].transpose(0, 1).reshape(n, -1)
+
+    def finish(self, fused: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Rows of any sequences: ``fused [T, H]`` and their attention ``[T, Hq * D]`` -> target ids ``[T]``."""
+        h = fused + self.o_proj(attn)
         m = self._norm("post_attention_layernorm", h)
         h = h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
         draft = self.lm_head(self._norm("norm", h)).argmax(-1)
         return draft + self.d2t[draft]
+
+
+class HeadCache:
+    """One sequence's K/V for the head, ``[Hk, capacity, D]`` each, of which the first ``length``
+    positions are filled; capacity doubles when full (amortized O(1) per appended position)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.k = self.v = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``k``/``v [n, Hk, D]`` -> views of every position so far, ``[Hk, length, D]``."""
+        end = self.length + k.shape[0]
+        if end > self.k.shape[1]:
+            capacity = max(end, 2 * self.k.shape[1], 64)
+            self.k, self.v = self._grown(self.k, capacity), self._grown(self.v, capacity)
+        self.k[:, self.length:end] = k.transpose(0, 1)
+        self.v[:, self.length:end] = v.transpose(0, 1)
+        self.length = end
+        return self.k[:, :end], self.v[:, :end]
+
+    def _grown(self, x: torch.Tensor, capacity: int) -> torch.Tensor:
+        grown = x.new_empty(x.shape[0], capacity, x.shape[2])
+        grown[:, :self.length] = x[:, :self.length]
+        return grown
 
 
 def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -133,28 +168,45 @@ class Eagle3Drafter(Drafter):
             raise ValueError(f"EAGLE-3 head {path} maps draft ids past this model's vocabulary ({cfg.vocab_size})")
         self.aux_layers = self.head.aux_layers
         self.embed = target_model.embed_tokens
-        self.caches: dict[int, dict] = {}
-        self.guesses: dict[int, int] = {}
+        self.caches: dict[int, HeadCache] = {}
+        self.guesses: torch.Tensor | list[int] | None = None  # the last step's, one per row
+        self._guess_ids: dict[int, int] = {}  # seq id -> its row in ``guesses``
 
     @torch.inference_mode()
     def observe(self, batch, features):
-        start = 0
+        """One head pass over every row of the step: projections, MLP and head batched; attention per
+        sequence over its cache. The guesses stay on the device until ``propose`` reads them (once)."""
+        rows, tokens, positions, spans = [], [], [], []
+        start, head, device = 0, self.head, features.device
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            rows, start = features[start:start + n], start + n
-            if seq.is_finished:
-                continue
-            first = seq.num_computed_tokens - n
+            first, start = seq.num_computed_tokens - n, start + n
             if first == 0:  # a new sequence, or one recomputed after preemption
-                self.caches[seq.seq_id] = {}
-            device = rows.device
-            nxt = torch.tensor(seq.token_ids[first + 1:first + n + 1], device=device)
-            pos = torch.arange(first, first + n, device=device)
-            guess = self.head(rows.to(self.head.fc.weight.dtype), self.embed(nxt), pos, self.caches[seq.seq_id])
-            self.guesses[seq.seq_id] = int(guess[-1])
+                self.caches[seq.seq_id] = HeadCache(head.kv_heads, head.head_dim, head.fc.weight.dtype, device)
+            cache = self.caches.get(seq.seq_id)
+            if seq.is_finished or cache is None or cache.length != first:  # (out of step: no guess)
+                continue
+            rows.append(torch.arange(start - n, start))
+            tokens += seq.token_ids[first + 1:first + n + 1]
+            positions.append(torch.arange(first, first + n))
+            spans.append((seq.seq_id, first, n))
+        self.guesses, self._guess_ids = None, {}
+        if not spans:
+            return
+        index = torch.cat(rows).to(device)
+        fused, q, k, v = head.project(features.index_select(0, index).to(head.fc.weight.dtype),
+                                      self.embed(torch.tensor(tokens, device=device)), torch.cat(positions).to(device))
+        attn, at = [], 0
+        for seq_id, first, n in spans:
+            keys, values = self.caches[seq_id].append(k[at:at + n], v[at:at + n])
+            attn.append(head.attend(q[at:at + n], keys, values, first))
+            at += n
+            self._guess_ids[seq_id] = at - 1  # the last row's guess is the sequence's
+        self.guesses = head.finish(fused, torch.cat(attn))
 
     def propose(self, seqs):
-        return [self.guesses.get(s.seq_id) for s in seqs]
+        if self.guesses is not None and not isinstance(self.guesses, list):
+            self.guesses = self.guesses.tolist()  # the step's one device read
+        return [self.guesses[self._guess_ids[s.seq_id]] if s.seq_id in self._guess_ids else None for s in seqs]
 
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq.seq_id, None)
-        self.guesses.pop(seq.seq_id, None)

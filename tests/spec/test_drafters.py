@@ -183,6 +183,45 @@ def test_online_eagle3_drafter_equals_the_whole_sequence_head(fixtures_path):
     assert sum(a == b for a, b in zip(seen, want)) >= 22, (seen, want)
 
 
+def test_online_eagle3_drafter_batches_sequences_of_a_step(fixtures_path):
+    """Several sequences at once (steps holding chunks of two prompts, then every decode row; one head
+    pass per step): each sequence's guesses equal the head run once over that sequence alone."""
+    from oasiskv import LLM
+    target, head = str(fixtures_path / "target"), fixture_part(fixtures_path, "eagle3")
+    llm = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.05,
+              draft=f"eagle3:{head}", max_num_batched_tokens=160)
+    engine = llm.engine
+    seen: dict[int, list[int]] = {}
+    propose = engine.drafter.propose
+
+    def record(seqs):
+        guesses = propose(seqs)
+        for seq, guess in zip(seqs, guesses):
+            seen.setdefault(seq.seq_id, []).append(guess)
+        return guesses
+
+    engine.drafter.propose = record
+    docs = json.loads((fixtures_path / "eval_dev.json").read_text())["docs"]
+    prompts = [engine.encode(doc)[:n] for doc, n in zip(docs[3:6], (300, 120, 210))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert len(seen) == 3
+    for seq_id, prompt, out in zip(sorted(seen), prompts, outs):
+        want = eagle3_guesses(engine, str(head), prompt + out.token_ids, 16)[1:]
+        assert len(seen[seq_id]) == 15 and sum(a == b for a, b in zip(seen[seq_id], want)) >= 14, (seen, want)
+
+
+def test_eagle3_head_cache_grows_like_concatenation():
+    from oasiskv.spec.eagle3 import HeadCache
+    cache, parts = HeadCache(2, 4, torch.float32, torch.device("cpu")), []
+    for n in (1, 70, 1, 1, 200, 3):
+        k, v = torch.randn(n, 2, 4), torch.randn(n, 2, 4)
+        parts.append((k, v))
+        keys, values = cache.append(k, v)
+        assert torch.equal(keys, torch.cat([p[0] for p in parts]).transpose(0, 1))
+        assert torch.equal(values, torch.cat([p[1] for p in parts]).transpose(0, 1))
+    assert cache.length == 276 and cache.k.shape[1] >= 276
+
+
 def eagle3_guesses(engine, path: str, window: list[int], last: int) -> list[int]:
     """The EAGLE-3 head's guess for each decoded position of ``window`` from one dense target pass:
     position i's features + token i+1 -> token i+2 (the draft used at the step that feeds token i+1)."""
