@@ -142,16 +142,17 @@ def test_eagle3_fixture_head_agrees_with_the_target_like_its_training_run(fixtur
     from oasiskv.engine.forward_batch import ForwardBatch, forward_context
     from oasiskv.spec.eagle3 import load_eagle3
     llm = LLM(str(fixtures_path / "target"), dtype="float32", num_kv_blocks=16)
-    model, backend = llm.engine.runner.model, llm.engine.runner.backend
-    head = load_eagle3(fixture_part(fixtures_path, "eagle3"))
+    model, backend, device = llm.engine.runner.model, llm.engine.runner.backend, llm.engine.runner.device
+    head = load_eagle3(fixture_part(fixtures_path, "eagle3"), device=device)
     model.aux_layers = head.aux_layers
     ids = llm.engine.encode("\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"]))
     agree, total = 0, 0
     for start in (100_000, 600_000):
-        w = torch.tensor(ids[start:start + 1024])
-        pos = torch.arange(len(w))
-        fb = ForwardBatch(True, w, pos, torch.full((len(w),), -1), torch.zeros((1, 1), dtype=torch.int32),
-                          torch.tensor([len(w)]), [len(w)], [0])
+        w = torch.tensor(ids[start:start + 1024], device=device)
+        pos = torch.arange(len(w), device=device)
+        fb = ForwardBatch(True, w, pos, torch.full((len(w),), -1, device=device),
+                          torch.zeros((1, 1), dtype=torch.int32, device=device),
+                          torch.tensor([len(w)], dtype=torch.int32, device=device), [len(w)], [0])
         with torch.inference_mode(), forward_context(fb, backend):
             greedy = model.compute_logits(model(w, pos)).argmax(-1)
             t = len(w) - 2
