@@ -232,11 +232,12 @@ class SparseBackend(AttentionBackend):
         local_k, local_v = self.ws.local(layer)
         self._store(k[:n], v[:n], local_k, local_v, slots * B + pos % B)
         lookahead = bool(self.config.draft)
+        current = "current" if self.observers else None  # observers see this token's own scores
         if not lookahead and self.config.prefetch != "off":  # synchronous retrieval: this token's own query
             with self.pipeline.stall():
-                self._select(layer, q[:n], slots, tables, pos // B)
-        if self.observers:
-            self._notify("current", layer, slots, self.summaries.scores(layer, q[:n], tables, (pos // B).int()))
+                self._select(layer, q[:n], slots, tables, pos // B, notify=current)
+        elif current:
+            self._notify(current, layer, slots, self.summaries.scores(layer, q[:n], tables, (pos // B).int()))
         # draft rows (lookahead) attend in the same call: the real token's working set and local block,
         # plus their own K/V passed in (never written to the working set)
         if layer == 0:

@@ -219,7 +219,8 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.pcie_gb_s = fetched / seconds / 1e9
         point.stall_ms = 1e3 * stall / timed if timed else None
     notes = [f"{engine.stats.num_preemptions} preemptions so far"] if engine.stats.num_preemptions else []
-    point.note = "; ".join(notes + ([_emulated(engine)] if _emulated(engine) else []))
+    emulated = _emulated(engine)
+    point.note = "; ".join(notes + ([emulated] if emulated else []))
     return point
 
 

@@ -169,7 +169,7 @@ class Eagle3Drafter(Drafter):
         self.aux_layers = self.head.aux_layers
         self.embed = target_model.embed_tokens
         self.caches: dict[int, HeadCache] = {}
-        self.guesses: torch.Tensor | list[int] | None = None  # the last step's, one per row
+        self.guesses: torch.Tensor | None = None  # the last step's, one per row, on the device
         self._guess_ids: dict[int, int] = {}  # seq id -> its row in ``guesses``
 
     @torch.inference_mode()
@@ -204,9 +204,8 @@ class Eagle3Drafter(Drafter):
         self.guesses = head.finish(fused, torch.cat(attn))
 
     def propose(self, seqs):
-        if self.guesses is not None and not isinstance(self.guesses, list):
-            self.guesses = self.guesses.tolist()  # the step's one device read
-        return [self.guesses[self._guess_ids[s.seq_id]] if s.seq_id in self._guess_ids else None for s in seqs]
+        guesses = [] if self.guesses is None else self.guesses.tolist()  # the step's one device read
+        return [guesses[self._guess_ids[s.seq_id]] if s.seq_id in self._guess_ids else None for s in seqs]
 
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq.seq_id, None)
