@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 
@@ -24,14 +23,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in EngineConfig.cli_fields()})
+    return EngineConfig.from_flat(model=args.model,
+                                  **{f.name: getattr(args, f.name) for f in EngineConfig.cli_fields()})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from oasiskv.llm import LLM, render_chat
     from oasiskv.sampling_params import SamplingParams
 
-    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    llm = LLM(config=engine_config(args))
     prompt = render_chat(llm.tokenizer, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)

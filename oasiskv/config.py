@@ -8,8 +8,7 @@ and is never set by hand. Values spelled ``"auto"`` / ``0`` are resolved later b
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -118,47 +117,73 @@ def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+#: ``--draft`` spellings: ``none`` selects with the current token's own query (synchronous retrieval);
+#: the others select one step ahead (lookahead) from a prediction of the next query
+DRAFTS = "none, previous, ngram, model:PATH or eagle3:PATH"
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Tiered KV settings (``kv_mode=oasis``): working-set size, fetch cap, host store, lookahead."""
+    topk_blocks: int = _opt(128, "oasis: K, resident blocks per (sequence, layer, kv-head) besides "
+                            "the local block")
+    fetch_ratio: float = _opt(0.05, "oasis: f_HBM, at most ceil(f*K) new blocks per head per layer "
+                              "per step after seeding (1.0 = no cap)")
+    host_kv_gib: float = _opt(0.0, "oasis: host store size in GiB (pinned on CUDA); 0 = 4 GiB, a "
+                              "setting, never read from MemTotal")
+    score_alpha: float = _opt(1.0, "oasis: alpha in score = q.c + alpha*|q|.r over block min/max "
+                              "summaries")
+    draft: str = _opt("none", "oasis: how the working set is chosen: none (select with the current "
+                      "token's query before attention: synchronous retrieval) or lookahead, one "
+                      "step ahead, from: previous (the current query predicts the next), ngram "
+                      "(prompt lookup), model:PATH (a small LM with the same tokenizer), "
+                      "eagle3:PATH (an EAGLE-3 head for this model)")
+    prefetch: str = _opt("async", "oasis: where selection and fetch run: async (lookahead: side "
+                         "CUDA streams, the foreground waits per layer on the device), inline (on "
+                         "the foreground stream), off (never after seeding: the foreground's cost "
+                         "alone, for measurements)")
+
+    def __post_init__(self):
+        if self.topk_blocks < 1 or not 0.0 < self.fetch_ratio <= 1.0 or self.host_kv_gib < 0:
+            raise ValueError("topk_blocks must be >= 1, fetch_ratio in (0, 1], host_kv_gib >= 0")
+        kind, _, path = self.draft.partition(":")
+        if not ((kind in ("none", "previous", "ngram") and not path)
+                or (kind in ("model", "eagle3") and path)):
+            raise ValueError(f"unknown draft {self.draft!r}: use {DRAFTS}")
+        if self.prefetch not in ("async", "inline", "off"):
+            raise ValueError(f"prefetch must be async, inline or off, got {self.prefetch!r}")
+
+    @property
+    def lookahead(self) -> bool:
+        """Whether selection runs one step ahead (every ``draft`` but ``none``)."""
+        return self.draft != "none"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings. The CLI exposes every field as ``--field-name``."""
-    model: str = _opt("", "local HF model folder, hub id, or bench preset; empty = built-in demo model",
-                      cli=False)
-    dtype: str = _opt("auto", "weights/activations dtype: auto (checkpoint dtype on GPU, float32 on CPU), "
-                      "bfloat16, float16, float32")
+    """Engine settings. The CLI exposes every field as ``--field-name`` (``tier``'s fields too)."""
+    model: str = _opt("", "local HF model folder, hub id, or bench preset; empty = built-in demo "
+                      "model", cli=False)
+    dtype: str = _opt("auto", "weights/activations dtype: auto (checkpoint dtype on GPU, float32 on "
+                      "CPU), bfloat16, float16, float32")
     device: str = _opt("auto", "auto, cuda, cuda:N or cpu")
-    max_model_len: int = _opt(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
+    max_model_len: int = _opt(0, "longest prompt + output in tokens; 0 = the model's "
+                              "max_position_embeddings")
     max_num_seqs: int = _opt(256, "most sequences in one decode batch")
-    max_num_batched_tokens: int = _opt(8192, "most prompt tokens in one prefill step (longer prompts are "
-                                       "prefilled in chunks)")
+    max_num_batched_tokens: int = _opt(8192, "most prompt tokens in one prefill step (longer prompts "
+                                       "are prefilled in chunks)")
     block_size: int = _opt(16, "tokens per KV block")
     gpu_memory_utilization: float = _opt(0.90, "fraction of GPU memory the engine may use (weights, "
-                                         "activations and the KV pool sized from it after a warm-up)")
+                                         "activations and the KV pool sized from it after a "
+                                         "warm-up)")
     num_kv_blocks: int = _opt(0, "KV pool size in blocks; 0 = size from memory (GPU) or 4 GiB (CPU)")
     enforce_eager: bool = _opt(False, "disable CUDA-graph capture of decode")
     max_graph_batch: int = _opt(256, "largest decode batch captured in a CUDA graph")
     seed: int = _opt(0, "seed for random sampling of requests without their own seed")
     load_format: str = _opt("auto", "auto (safetensors) or dummy (random weights, for benchmarks)")
-    # ---- tiered KV (kv_mode=oasis) ----
-    kv_mode: str = _opt("dense", "dense (paged KV in HBM) or oasis (full KV in host memory, per-head working "
-                        "sets of topk_blocks blocks in HBM)")
-    topk_blocks: int = _opt(128, "oasis: K, resident blocks per (sequence, layer, kv-head) besides the local block")
-    fetch_ratio: float = _opt(0.05, "oasis: f_HBM, at most ceil(f*K) new blocks per head per layer per step "
-                              "after seeding (1.0 = no cap)")
-    host_kv_gib: float = _opt(0.0, "oasis: host store size in GiB (pinned on CUDA); 0 = 4 GiB, a setting, "
-                              "never read from MemTotal")
-    score_alpha: float = _opt(1.0, "oasis: alpha in score = q.c + alpha*|q|.r over block min/max summaries")
-    draft: str = _opt("", "oasis: lookahead drafter: '' = none (select with the current query, synchronous), "
-                      "'none' (predict with the previous query), 'ngram', 'model:PATH' (a small LM with the same "
-                      "tokenizer) or 'eagle3:PATH' (an EAGLE-3 head for this model)")
-    prefetch: str = _opt("async", "oasis lookahead: where step t+1's selection and fetch run: async (side CUDA "
-                         "streams; the foreground waits per layer on an event), inline (on the foreground stream), "
-                         "off (never after seeding: the foreground's cost alone, for measurements)")
-    emulated_host_gib: float = _opt(0.0, "BENCHMARK ONLY: size the host-block allocator and the summaries for this "
-                                    "many GiB while the pinned store holds host_kv_gib; requests share physical "
-                                    "host blocks, so their KV contents are garbage", cli=False)
-    measure_stall: bool = _opt(False, "oasis, for benchmarks: time the foreground's prefetch stalls (device clock "
-                               "marks around each wait and each in-line selection, read with a sync every step)",
-                               cli=False)
+    kv_mode: str = _opt("dense", "dense (paged KV in HBM) or oasis (full KV in host memory, "
+                        "per-head working sets of topk_blocks blocks in HBM)")
+    tier: TierConfig = _opt(TierConfig(), "tiered KV settings (kv_mode=oasis)", cli=False)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):
@@ -167,27 +192,28 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.max_model_len < 0 or self.num_kv_blocks < 0:
             raise ValueError("max_model_len and num_kv_blocks must be >= 0")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.kv_mode not in ("dense", "oasis"):
             raise ValueError(f"kv_mode must be dense or oasis, got {self.kv_mode!r}")
-        if self.draft and self.kv_mode != "oasis":
+        if self.tier.lookahead and self.kv_mode != "oasis":
             raise ValueError("draft (lookahead) needs kv_mode=oasis")
-        if self.prefetch not in ("async", "inline", "off"):
-            raise ValueError(f"prefetch must be async, inline or off, got {self.prefetch!r}")
-        if self.emulated_host_gib < 0:
-            raise ValueError("emulated_host_gib must be >= 0")
-        if self.topk_blocks < 1 or not 0.0 < self.fetch_ratio <= 1.0 or self.host_kv_gib < 0:
-            raise ValueError("topk_blocks must be >= 1, fetch_ratio in (0, 1], host_kv_gib >= 0")
         parse_dtype(self.dtype)
 
     @classmethod
-    def cli_fields(cls):
-        """Fields the CLI turns into flags, with their help text."""
-        return [f for f in fields(cls) if f.metadata.get("cli", True)]
+    def from_flat(cls, **settings) -> "EngineConfig":
+        """An ``EngineConfig`` from flat keyword settings: ``TierConfig`` field names go to ``tier``.
+        Raises TypeError on an unknown name."""
+        tier_names = {f.name for f in fields(TierConfig)}
+        tier = {k: settings.pop(k) for k in list(settings) if k in tier_names}
+        base = settings.pop("tier", TierConfig())
+        return cls(**settings, tier=replace(base, **tier) if tier else base)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+    @staticmethod
+    def cli_fields():
+        """Fields the CLI turns into flags, with their help text: the engine's, then the tier's."""
+        return [f for f in fields(EngineConfig) + fields(TierConfig) if f.metadata.get("cli", True)]

@@ -5,6 +5,8 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm import tqdm
 
+from oasiskv.attention import make_backend
+from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine, RequestOutput
 from oasiskv.sampling_params import SamplingParams
 
@@ -12,8 +14,12 @@ from oasiskv.sampling_params import SamplingParams
 class LLM:
     """Runs an ``LLMEngine`` to completion for a list of prompts (strings or token-id lists)."""
 
-    def __init__(self, model: str = "", **config):
-        self.engine = LLMEngine(model=model, **config)
+    def __init__(self, model: str = "", config: EngineConfig | None = None, backend_factory=None,
+                 **settings):
+        """``settings``: flat ``EngineConfig`` / ``TierConfig`` fields (or a whole ``config``);
+        ``backend_factory``: see ``LLMEngine``."""
+        config = config or EngineConfig.from_flat(model=model, **settings)
+        self.engine = LLMEngine(config, backend_factory=backend_factory or make_backend)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],

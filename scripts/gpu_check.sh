@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [gather] [profile] [profile-oasis]
-#        [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]   (default: tests kernels bench)
+#        [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated] [compare]
+#        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
 # (default 64) bounds its oasis batch (a larger host store holds more requests). EMU_PREFETCH (default
@@ -37,8 +38,8 @@ for stage in $stages; do
         tests/engine/test_prefetch.py 2>&1 | tee "$OUT/oasis_tests.log" | tail -30
       summary+=("oasis tests: $(tail -1 "$OUT/oasis_tests.log")") ;;
     oasis-quick)
-      for draft in "" ngram; do
-        bench "quick-${draft:-sync}" --context-lens 16384 --concurrency 8 --output-lens 16 --kv-mode oasis \
+      for draft in none ngram; do
+        bench "quick-$draft" --context-lens 16384 --concurrency 8 --output-lens 16 --kv-mode oasis \
           --host-kv-gib 24 --draft "$draft"
       done ;;
     oasis-real)  # (a): the host store this machine's RAM holds; dense for reference
@@ -46,7 +47,7 @@ for stage in $stages; do
         if [ "$mode" = dense ]; then
           bench real-dense --context-lens "$REAL_LENS" --concurrency max --output-lens 32 --max-num-seqs 64
         else
-          draft=$mode; [ "$mode" = sync ] && draft=""
+          draft=$mode; [ "$mode" = sync ] && draft=none
           bench "real-$mode" --context-lens "$REAL_LENS" --concurrency max --output-lens 32 \
             --max-num-seqs "${REAL_MAX_SEQS:-64}" --kv-mode oasis --host-kv-gib "$HOST_GIB" --draft "$draft"
         fi
@@ -57,6 +58,20 @@ for stage in $stages; do
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
           --prefetch "$prefetch"
       done ;;
+    compare)  # before/after a change: dense 32K x max and the emulated-host point (64 x 32K, ngram,
+      # async), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C .before`) and this one,
+      # interleaved so both see the same machine
+      for run in before-dense after-dense before-emulated after-emulated; do
+        tree=$PWD; [ "${run%%-*}" = before ] && tree=$PWD/.before
+        export PYTHONPATH=$tree
+        if [ "${run#*-}" = dense ]; then
+          bench "$run" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 64
+        else
+          bench "$run" --context-lens 32768 --concurrency 64 --output-lens 32 --max-num-seqs 128 \
+            --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram --prefetch async
+        fi
+      done
+      export PYTHONPATH=$PWD ;;
     kernels)
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
       summary+=("kernels: $(tail -1 "$OUT/kernels.log" | cut -c1-300)") ;;

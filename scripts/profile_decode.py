@@ -17,7 +17,6 @@ step t+1's selection and fetch are skipped, the foreground-only baseline; for sy
 selection stops altogether. GPU only; random weights.
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from oasiskv.bench.decode_sweep import add_bench_flags, config_from_args
+from oasiskv.bench.decode_sweep import add_bench_flags, config_from_args, make_engine
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
 
@@ -158,25 +157,24 @@ def main() -> None:
         sys.exit("profile_decode.py takes one --context-lens and one --concurrency (numbers)")
     phases = 2 if args.compare_prefetch_off else 1
     args.output_lens = str(phases * (args.timed_steps + args.profile_steps + 5) + 2)
-    config = dataclasses.replace(config_from_args(args), measure_stall=False)  # the engine as served: no clock marks
-    engine = LLMEngine(config)
+    config = config_from_args(args)
+    engine = make_engine(config, args.emulated_host_gib)  # as served: no stall clock marks
     params = SamplingParams(max_tokens=int(args.output_lens), temperature=0.0, ignore_eos=True)
     for i in range(concurrency):
         engine.add_request([(7 * i + j) % 1000 + 1 for j in range(context)], params)
     t0 = time.perf_counter()
     while engine.stats.num_waiting or engine.stats.last_step_prefill or not engine.stats.num_steps:
         engine.step()
-    print(f"{args.model} {config.kv_mode} context={context} requests={concurrency} draft={config.draft!r} "
-          f"prefetch={config.prefetch} graphs={engine.runner.graphs is not None}; prefill "
+    print(f"{args.model} {config.kv_mode} context={context} requests={concurrency} draft={config.tier.draft!r} "
+          f"prefetch={config.tier.prefetch} graphs={engine.runner.graphs is not None}; prefill "
           f"{time.perf_counter() - t0:.1f} s; running {len(engine.scheduler.running)}")
     wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
-    report(f"prefetch={config.prefetch}", wall, stats)
-    result = {"config": vars(args), "phases": [{"prefetch": config.prefetch, "wall_ms": wall, **stats}]}
+    report(f"prefetch={config.tier.prefetch}", wall, stats)
+    result = {"config": vars(args), "phases": [{"prefetch": config.tier.prefetch, "wall_ms": wall, **stats}]}
     if args.compare_prefetch_off:
-        backend = engine.runner.backend
-        backend.join_side_streams()
-        backend.config = dataclasses.replace(backend.config, prefetch="off")
-        engine.runner.capture_graphs()
+        engine.runner.backend.retrieval.active = False  # the same requests, no selection or fetch
+        if engine.runner.graphs is not None:
+            engine.runner.graphs._capture()
         wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
         report("prefetch=off (same requests" + (", graphs recaptured)" if engine.runner.graphs else ")"), wall, stats)
         result["phases"].append({"prefetch": "off", "wall_ms": wall, **stats})

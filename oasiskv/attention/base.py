@@ -1,50 +1,69 @@
-"""AttentionBackend: the interface between attention layers and the KV storage.
+"""AttentionBackend: the interface between the engine and a KV storage with its attention.
 
 A backend owns the KV storage of every layer and computes attention for one layer from the step's
-``ForwardBatch``. Lifecycle: the model runner builds it, runs a warm-up prefill (``forward`` must work
-before ``allocate`` for a prefill without prefix, storing nothing), calls ``allocate`` with the HBM
-budget it measured (None on CPU), then asks ``make_allocator`` for the matching ``KVAllocator`` the
-scheduler consults. A backend whose ``forward`` reads only the batch's tensors and never syncs the
-host can be captured in CUDA graphs (``supports_cuda_graphs``): the graph runner pads a bucket with
-rows of context length 0 at seq slot ``padding_slot``, asks ``can_graph`` before each replay, calls
-``join_side_streams`` before and at the end of each capture (a graph must end with every side stream
-joined), then keeps the capture's ``graph_tail``: work the step defers past its graph, which it hands
-to ``run_graph_tail`` after each replay of that graph once the step's outputs have been read.
+``ForwardBatch``. Its lifecycle has three parts, each called by the model runner in this order:
+
+Storage. ``forward`` must work before storage exists for a prefill without prefix (the runner's
+warm-up, storing nothing); then ``allocate`` with the HBM budget the runner measured (None on CPU),
+then ``make_allocator`` once for the ``KVAllocator`` the scheduler consults. ``max_tokens_per_seq``
+bounds the context; ``rows_per_seq`` is how many rows a decode step runs per sequence (1, or more
+when the backend adds rows of its own after the sequences' tokens).
+
+One step. ``prepare(batch)`` before the forward: returns a ``StepPlan`` (the backend's per-step
+metadata, which reaches ``forward`` as ``ForwardBatch.meta``, and the extra rows it wants computed);
+``forward`` per layer; ``finish(batch)`` after the step's tokens were appended to its sequences (a
+step that raised is not finished): runs what the backend deferred past the step and returns the
+step's ``StepStats``. ``finish`` is where a backend may block on the device (its counters).
+
+CUDA graphs (decode only; a backend whose ``forward`` reads only the batch's tensors and device
+state and never syncs the host). ``init_graphs(buckets)`` returns the static ``meta`` of each
+bucket's captured step; per bucket the runner warms up, calls ``begin_capture``, captures (padding
+rows: slot -1, context length 0), and calls ``end_capture(bucket)`` after the capture. Before each
+replay ``prepare_replay(meta, num_seqs, bucket)`` copies the step's ``meta`` into that bucket's
+static one and may decline (False: the step runs eagerly). A captured step must leave no work on
+side streams; work it defers runs in ``finish``.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from oasiskv.engine.forward_batch import ForwardBatch
 from oasiskv.engine.kv_allocator import KVAllocator
+from oasiskv.engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepPlan:
+    """What ``prepare`` returns: ``meta`` for ``ForwardBatch.meta``, and extra rows (token ids and
+    positions, host lists) computed after the sequences' tokens, never stored or sampled. A decode
+    step under CUDA graphs must have ``rows_per_seq - 1`` extra rows per sequence, in groups of one
+    row per sequence in batch order (else it runs eagerly)."""
+    meta: Any = None
+    extra_ids: list[int] = field(default_factory=list)
+    extra_positions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepStats:
+    """What ``finish`` reports of a step: ``counters`` (the engine sums them over steps) and
+    ``gauges`` (values as of this step), by name."""
+    counters: dict[str, float] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):
     supports_cuda_graphs: bool = True
-    padding_slot: int = -1  #: ``seq_slots`` value of graph padding rows
-    graph_draft_rows: bool = False  #: captured decode steps carry one lookahead draft row per sequence
+    rows_per_seq: int = 1  #: decode rows per sequence in a captured step (its token + extra rows)
 
-    def can_graph(self, batch: ForwardBatch) -> bool:
-        """Whether this decode step fits the captured layout (else it runs eagerly)."""
-        return batch.draft_of is None
-
-    def join_side_streams(self) -> None:
-        """Order the current stream after any work the backend left on side streams."""
-
-    def graph_tail(self):
-        """After a capture: what the captured step left to run after each replay (None: nothing)."""
-        return None
-
-    def run_graph_tail(self, tail) -> None:
-        """Start a replayed graph's ``graph_tail`` (the replay has completed: its outputs were read).
-        The next replay must be ordered after it by the graph itself."""
-
+    # ---- storage ---------------------------------------------------------------------------------
     @abstractmethod
     def allocate(self, budget_bytes: int | None) -> None:
-        """Create the KV storage within ``budget_bytes`` of device memory (None: the backend's CPU default
-        or its explicit settings). Raises RuntimeError when not even one sequence fits."""
+        """Create the KV storage within ``budget_bytes`` of device memory (None: the backend's CPU
+        default or its explicit settings). Raises RuntimeError when not even one sequence fits."""
 
     @abstractmethod
     def make_allocator(self) -> KVAllocator:
@@ -55,15 +74,33 @@ class AttentionBackend(ABC):
     def max_tokens_per_seq(self) -> int:
         """The most tokens one sequence can hold once storage exists."""
 
+    # ---- one step --------------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> StepPlan:
+        """Per-step metadata and extra rows for ``batch`` (default: none)."""
+        return StepPlan()
+
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Store this step's k/v ``[T, Hk, D]`` and return attention of q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+        """Store this step's k/v ``[T, Hk, D]`` and return attention of q ``[T, Hq, D]`` ->
+        ``[T, Hq, D]``."""
 
-    @abstractmethod
-    def decode_read_bytes(self, context_lens: list[int]) -> int:
-        """Device bytes one decode step's attention reads for sequences of these lengths (roofline)."""
+    def finish(self, batch: ScheduledBatch) -> StepStats:
+        """The step ran and its sampled tokens are appended: run deferred work; the step's stats."""
+        return StepStats()
 
-    def step_stats(self) -> dict[str, float]:
-        """Counters of the last step for the engine's stats (e.g. blocks fetched); empty by default."""
-        return {}
+    # ---- CUDA graphs -----------------------------------------------------------------------------
+    def init_graphs(self, buckets: list[int]) -> dict[int, Any]:
+        """Static ``meta`` of each bucket's captured step (default: None)."""
+        return dict.fromkeys(buckets)
+
+    def begin_capture(self) -> None:
+        """Before a capture: settle work the warm-up left pending."""
+
+    def end_capture(self, bucket: int) -> None:
+        """After the capture of ``bucket``: keep what that step defers past its replays."""
+
+    def prepare_replay(self, meta: Any, num_seqs: int, bucket: int) -> bool:
+        """Fill ``bucket``'s static meta from the step's ``meta`` (``num_seqs`` real rows, the rest
+        padding) before its replay; False declines the replay (the step runs eagerly)."""
+        return True

@@ -12,7 +12,7 @@ import torch
 
 from oasiskv.attention.base import AttentionBackend
 from oasiskv.attention.prefill import prefill_attention
-from oasiskv.config import EngineConfig, ModelConfig
+from oasiskv.config import EngineConfig
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.forward_batch import ForwardBatch
 from oasiskv.kernels.dispatch import kernel
@@ -23,8 +23,10 @@ CPU_KV_BYTES = 4 << 30
 
 
 class DenseBackend(AttentionBackend):
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype,
+                 device: torch.device):
         self.config = config
+        model_config = model.cfg
         self.num_layers, self.num_kv_heads = model_config.num_layers, model_config.num_kv_heads
         self.head_dim, self.block_size = model_config.head_dim, config.block_size
         self.dtype, self.device = dtype, device
@@ -59,9 +61,6 @@ class DenseBackend(AttentionBackend):
     @property
     def max_tokens_per_seq(self) -> int:
         return self.num_blocks * self.block_size
-
-    def decode_read_bytes(self, context_lens: list[int]) -> int:
-        return sum(context_lens) * self.bytes_per_block() // self.block_size
 
     def forward(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if self.k_cache:

@@ -27,9 +27,12 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from oasiskv.bench.roofline import measure_copy_bandwidth, weight_bytes
+from oasiskv.bench.harness import DeviceStallClock, emulated_host, emulated_label, oasis_backend
+from oasiskv.bench.roofline import kv_read_bytes, measure_copy_bandwidth, weight_bytes
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
+from oasiskv.kv.allocator import TieredAllocator
+from oasiskv.kv.probes import TierProbes
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -77,7 +80,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk-blocks", type=int, default=128, help="oasis: K")
     parser.add_argument("--fetch-ratio", type=float, default=0.05, help="oasis: f_HBM")
     parser.add_argument("--host-kv-gib", type=float, default=0.0, help="oasis: host store GiB (0 = 4)")
-    parser.add_argument("--draft", default="", help="oasis: '' = synchronous retrieval; none, ngram, ... = lookahead")
+    parser.add_argument("--draft", default="none", help="oasis: none = synchronous retrieval; previous, "
+                        "ngram, model:PATH, eagle3:PATH = lookahead")
     parser.add_argument("--prefetch", default="async", help="oasis lookahead: async, inline or off")
     parser.add_argument("--emulated-host-gib", type=float, default=0.0,
                         help="oasis, BENCHMARK ONLY: admit as if the host store held this many GiB; requests "
@@ -92,14 +96,25 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     outputs = [int(o) for o in _ints(args.output_lens)]
     from oasiskv.models.loader import preset_names
     load_format = "dummy" if args.model in preset_names() else "auto"
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=load_format,
-                        max_model_len=max(contexts) + max(outputs) + 1,
-                        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                        enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs,
-                        kv_mode=args.kv_mode, topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio,
-                        host_kv_gib=args.host_kv_gib, draft=args.draft, prefetch=args.prefetch,
-                        emulated_host_gib=args.emulated_host_gib, measure_stall=args.kv_mode == "oasis")
+    return EngineConfig.from_flat(
+        model=args.model, dtype=args.dtype, device=args.device, load_format=load_format,
+        max_model_len=max(contexts) + max(outputs) + 1,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs, kv_mode=args.kv_mode,
+        topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
+        draft=args.draft, prefetch=args.prefetch)
+
+
+def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0,
+                stall_clock: DeviceStallClock | None = None) -> LLMEngine:
+    """The engine a bench point runs: in oasis mode with the harness's probes (an emulated host
+    store of ``emulated_host_gib`` GiB when > 0, the stall clock)."""
+    if config.kv_mode != "oasis":
+        return LLMEngine(config)
+    probes = TierProbes(host_store=emulated_host(emulated_host_gib) if emulated_host_gib else None,
+                        stall_clock=stall_clock)
+    return LLMEngine(config, backend_factory=oasis_backend(probes))
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -111,11 +126,15 @@ def run_from_args(args: argparse.Namespace) -> int:
     points: list[Point] = []
     env = {}
     if "oasiskv" in engines:
-        engine = LLMEngine(config)
+        clock = None
+        if config.kv_mode == "oasis":
+            from oasiskv.engine.model_runner import resolve_device
+            clock = DeviceStallClock(resolve_device(config.device))
+        engine = make_engine(config, args.emulated_host_gib, clock)
         env = _environment(engine)
         grid = [(c, n, o) for c in contexts for n in concurrencies for o in outputs]
         for ctx, conc, out in tqdm(grid, desc="oasiskv bench", file=sys.stderr):
-            points.append(bench_point(engine, ctx, conc, out, env, args.seed))
+            points.append(bench_point(engine, ctx, conc, out, env, args.seed, clock))
         hf_model_path, dtype, device = engine.model_path, engine.runner.dtype, engine.runner.device
         del engine
         gc.collect()
@@ -154,38 +173,33 @@ def _environment(engine: LLMEngine) -> dict:
         "weights_gb": weight_bytes(engine.runner.model) / 1e9,
         "kv_pool_tokens": engine.allocator.num_total_blocks * engine.config.block_size,
         "cuda_graphs": engine.runner.graphs is not None,
-        "emulated_host": _emulated(engine),
+        "emulated_host": emulated_label(engine),
         "torch": torch.__version__,
     }
-
-
-def _emulated(engine: LLMEngine) -> str:
-    host = getattr(engine.runner.backend, "host", None)
-    if host is None or not host.emulated:
-        return ""
-    return f"EMULATED host: {host.num_blocks} block ids on {host.num_physical} physical blocks"
 
 
 def _label(engine: LLMEngine) -> str:
     c = engine.config
     if c.kv_mode == "dense":
         return "oasiskv"
-    if c.draft:
-        mode = f"{c.draft.partition(':')[0]}-{c.prefetch}"
+    t = c.tier
+    if t.lookahead:
+        mode = f"{t.draft.partition(':')[0]}-{t.prefetch}"
     else:  # synchronous retrieval selects in line whatever --prefetch says, unless it is off
-        mode = "sync-off" if c.prefetch == "off" else "sync"
-    return f"oasis-K{c.topk_blocks}-{mode}" + ("-EMULATED" if _emulated(engine) else "")
+        mode = "sync-off" if t.prefetch == "off" else "sync"
+    return f"oasis-K{t.topk_blocks}-{mode}" + ("-EMULATED" if emulated_label(engine) else "")
 
 
 def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
     per_request = -(-(context + output_len) // engine.config.block_size)
     limits = [engine.allocator.num_total_blocks // per_request, engine.config.max_num_seqs]
-    if engine.allocator.max_running is not None:
-        limits.append(engine.allocator.max_running)
+    if isinstance(engine.allocator, TieredAllocator):  # working-set slots bound it too
+        limits.append(engine.allocator.num_seq_slots)
     return max(1, min(limits))
 
 
-def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict, seed: int) -> Point:
+def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict, seed: int,
+                clock: DeviceStallClock | None = None) -> Point:
     n = max_concurrency(engine, context, output_len) if concurrency == "max" else int(concurrency)
     point = Point(_label(engine), context, n, output_len)
     if n > max_concurrency(engine, context, output_len):
@@ -205,10 +219,12 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         s = engine.stats
         if not s.last_step_prefill:
             steps, seconds, batch_sum = steps + 1, seconds + dt, batch_sum + s.last_batch_size
-            kv_bytes += engine.runner.backend.decode_read_bytes(lens)
+            kv_bytes += kv_read_bytes(engine, lens)
             fetched += s.kv.get("fetched_bytes", 0)
-            if s.kv.get("stall_seconds") is not None:
-                stall, timed = stall + s.kv["stall_seconds"], timed + 1
+            if clock is not None:
+                stall, timed = stall + clock.take(), timed + 1
+        elif clock is not None:
+            clock.take()  # (seeding is not a stall)
     if steps:
         point.batch = batch_sum / steps
         point.tok_s = batch_sum / seconds
@@ -219,7 +235,7 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.pcie_gb_s = fetched / seconds / 1e9
         point.stall_ms = 1e3 * stall / timed if timed else None
     notes = [f"{engine.stats.num_preemptions} preemptions so far"] if engine.stats.num_preemptions else []
-    emulated = _emulated(engine)
+    emulated = emulated_label(engine)
     point.note = "; ".join(notes + ([emulated] if emulated else []))
     return point
 

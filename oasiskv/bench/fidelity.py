@@ -9,9 +9,12 @@ dense at the same positions. A table, then one JSON line.
 With ``--drafts`` it also runs the lookahead step (K = ``--draft-k``, the fetch cap on) once per
 drafter and reports, besides loss and top-1, the drafter's hit rate (its guess == the true next token)
 and per layer the agreement of the predicted top-K set with the set the true next query then picks
-from the same summaries (mean over heads of |predicted & true| / |true|). Drafters: ``none``
-(previous query), ``ngram``, ``model:PATH``, ``eagle3:PATH`` and ``oracle`` (the true next token:
-the upper bound).
+from the same summaries (mean over heads of |predicted & true| / |true|). Drafters: ``previous``
+(the current query predicts the next), ``ngram``, ``model:PATH``, ``eagle3:PATH`` and ``oracle``
+(the true next token: the upper bound).
+
+Every run goes through ``LLMEngine.step(forced=...)``, the engine's teacher-forcing step; the
+set-agreement observer and the oracle drafter are attached through the backend factory.
 """
 from __future__ import annotations
 
@@ -24,9 +27,12 @@ from pathlib import Path
 
 import torch
 
-from oasiskv.config import EngineConfig
+from oasiskv.bench.harness import oasis_backend
+from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
 from oasiskv.engine.llm_engine import LLMEngine
+from oasiskv.kv.probes import TierProbes
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.spec.base import Drafter
 
 
 @dataclass
@@ -46,7 +52,7 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--last", type=int, default=256, help="decoded (scored) positions at each window's end")
     parser.add_argument("--topk-blocks", default="16,32,64", help="K values to evaluate")
     parser.add_argument("--fetch-ratio", type=float, default=0.05, help="f_HBM of the capped runs")
-    parser.add_argument("--drafts", default="", help="lookahead drafters to compare, e.g. none,ngram,oracle,"
+    parser.add_argument("--drafts", default="", help="lookahead drafters to compare, e.g. previous,ngram,oracle,"
                         "model:PATH,eagle3:PATH (empty: skip)")
     parser.add_argument("--draft-k", type=int, default=32, help="K of the lookahead runs")
     parser.add_argument("--device", default="auto")
@@ -89,42 +95,39 @@ class SetAgreement:
         return [t / max(1, c) for t, c in zip(self.total, self.count)]
 
 
-def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, guesses=None):
+class OracleDrafter(Drafter):
+    """``oracle``: guesses the true next token of each window (the upper bound of any drafter)."""
+
+    def __init__(self):
+        self.forced: dict[str, list[int]] = {}  # request id -> its forced tokens
+
+    def propose(self, seqs):
+        guesses = []
+        for seq in seqs:
+            tokens, done = self.forced.get(seq.request_id, []), len(seq.output_token_ids)
+            guesses.append(tokens[done] if done < len(tokens) else None)
+        return guesses
+
+
+def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int,
+                   oracle: OracleDrafter | None = None):
     """Mean NLL of the true tokens at each window's last ``last`` positions, the greedy tokens, and the
-    drafter's hit rate. ``guesses``: None (the engine's drafter, if any, proposes) or per window the
-    guess for each decoded position (precomputed drafters)."""
-    forced, window_of = {}, {}
-    for i, w in enumerate(wins):
-        rid = engine.add_request(w[:-last], SamplingParams(max_tokens=last, temperature=0, ignore_eos=True))
-        forced[rid], window_of[rid] = w[-last:], i
+    drafter's hit rate (None without guesses)."""
+    params = SamplingParams(max_tokens=last, temperature=0, ignore_eos=True, logprobs=1)
+    forced = {engine.add_request(w[:-last], params): w[-last:] for w in wins}
+    if oracle is not None:
+        oracle.forced = forced
     nll, greedy = {rid: [] for rid in forced}, {rid: [] for rid in forced}
     hits = tries = 0
-    sched, runner = engine.scheduler, engine.runner
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        seqs, logits = runner.next_token_logits(batch, runner.forward(batch))
-        sched.postprocess(batch)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        live = []
-        for row, seq in enumerate(seqs):
-            step = len(seq.output_token_ids)
-            true = forced[seq.request_id][step]
-            nll[seq.request_id].append(-logp[row, true].item())
-            greedy[seq.request_id].append(int(logp[row].argmax()))
-            if seq.draft_token is not None:
-                hits, tries = hits + (seq.draft_token == true), tries + 1
-            seq.append_token(true)
-            if step + 1 == last:
-                sched.finish(seq, "length")
-                engine.requests.pop(seq.request_id)
-                engine._release_draft(seq)
-            else:
-                live.append(seq)
-        if guesses is not None:
-            for seq in live:
-                seq.draft_token = guesses[window_of[seq.request_id]][len(seq.output_token_ids)]
-        else:
-            engine._draft(batch, live)  # the engine's own drafter step (observe, then propose)
+    while engine.has_unfinished():
+        outs = engine.step({rid: tokens[len(nll[rid])] for rid, tokens in forced.items()
+                            if len(nll[rid]) < last})
+        for out in outs:
+            for lp in out.new_logprobs:
+                nll[out.request_id].append(-lp.logprob)
+                greedy[out.request_id].append(lp.top[0][0])
+        hits += engine.stats.kv.get("draft_hits", 0)
+        tries += engine.stats.kv.get("draft_guesses", 0)
     losses = [x for rid in forced for x in nll[rid]]
     return sum(losses) / len(losses), [greedy[rid] for rid in forced], hits / tries if tries else None
 
@@ -132,15 +135,14 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, guesses=
 def evaluate(args: argparse.Namespace) -> list[Run]:
     base = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.window_len + 1,
                 max_num_batched_tokens=args.window_len)
-    dense = LLMEngine(EngineConfig(**base))
+    dense = LLMEngine(**base)
     wins = windows(dense, args.text, args.windows, args.window_len)
     runs = [Run("dense", *teacher_forced(dense, wins, args.last)[:2])]
     _free(dense)
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     for k in (int(x) for x in args.topk_blocks.split(",")):
         for ratio in (1.0, args.fetch_ratio):
-            engine = LLMEngine(EngineConfig(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,
-                                            host_kv_gib=host_gib))
+            engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio, host_kv_gib=host_gib)
             label = f"oasis K={k} " + ("no cap" if ratio == 1.0 else f"cap f={ratio}")
             runs.append(Run(label, *teacher_forced(engine, wins, args.last)[:2]))
             _free(engine)
@@ -150,16 +152,14 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
 
 
 def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec: str) -> Run:
-    """Teacher-forced lookahead (K = draft_k, cap on) with one drafter, observed for set agreement.
-    The oracle's guesses are indexed by output count: entry j is set once j tokens are out, guessing
-    the j-th forced token (0-based)."""
-    oracle = spec == "oracle"
-    engine = LLMEngine(EngineConfig(**base, kv_mode="oasis", topk_blocks=args.draft_k, fetch_ratio=args.fetch_ratio,
-                                    host_kv_gib=host_gib, draft="none" if oracle else spec))
-    guesses = [w[-args.last:] for w in wins] if oracle else None
-    agreement = SetAgreement(engine.model_config.num_layers)
-    engine.runner.backend.observers.append(agreement)
-    loss, top1, hit_rate = teacher_forced(engine, wins, args.last, guesses)
+    """Teacher-forced lookahead (K = draft_k, cap on) with one drafter, observed for set agreement."""
+    oracle = OracleDrafter() if spec == "oracle" else None
+    config = EngineConfig.from_flat(**base, kv_mode="oasis", topk_blocks=args.draft_k,
+                                    fetch_ratio=args.fetch_ratio, host_kv_gib=host_gib,
+                                    draft="previous" if oracle else spec)
+    agreement = SetAgreement(ModelConfig.from_file(Path(args.model) / "config.json").num_layers)
+    engine = LLMEngine(config, backend_factory=oasis_backend(TierProbes(observers=[agreement]), oracle))
+    loss, top1, hit_rate = teacher_forced(engine, wins, args.last, oracle)
     _free(engine)
     run = Run(f"lookahead K={args.draft_k} f={args.fetch_ratio} {spec}", loss, top1)
     run.draft_hit_rate, run.set_agreement = hit_rate, agreement.per_layer()
@@ -168,14 +168,13 @@ def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec
 
 def _free(engine: LLMEngine) -> None:
     """Give an engine's device memory back before the next one sizes its storage from what is free."""
-    del engine.runner, engine.drafter
+    del engine.runner
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def _kv_bytes_per_token(args) -> int:
-    from oasiskv.config import ModelConfig, parse_dtype
     cfg = ModelConfig.from_file(Path(args.model) / "config.json")
     return cfg.kv_bytes_per_token(parse_dtype(args.dtype) or cfg.dtype)
 

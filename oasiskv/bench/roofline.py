@@ -36,3 +36,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     if getattr(model, "lm_head", None) is not None:
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return total
+
+
+def kv_read_bytes(engine, context_lens: list[int]) -> int:
+    """KV bytes one decode step's attention reads for sequences of these lengths: all of it (dense),
+    or the working sets and summaries (tiered, ``TieredKV.decode_read_bytes``)."""
+    tiered = getattr(engine.runner.backend, "kv", None)
+    if tiered is not None:
+        return tiered.decode_read_bytes(context_lens)
+    per_token = engine.model_config.kv_bytes_per_token(engine.runner.dtype)
+    return sum(context_lens) * per_token

@@ -23,6 +23,7 @@ class Detokenizer:
         """Add a token's text. Returns the stop string that ended the text, if one appeared."""
         if self.tokenizer is None:
             return None
+        self._before_push = (len(self.ids), self.prefix_offset, self.read_offset, self.text)
         self.ids.append(token_id)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
         full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
@@ -37,6 +38,12 @@ class Detokenizer:
         at, s = min(hits)
         self.text = self.text[:at]
         return s
+
+    def undo_push(self) -> None:
+        """Forget the last ``push`` (its token is being replaced)."""
+        if self.tokenizer is not None:
+            count, self.prefix_offset, self.read_offset, self.text = self._before_push
+            del self.ids[count:]
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show now: everything once finished, else all but the held-back tail."""

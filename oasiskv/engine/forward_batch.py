@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,17 +20,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardBatch:
-    """Per-step metadata. T = tokens in the step, B = sequences.
+    """Per-step metadata. T = rows in the step, B = sequences.
 
-    input_ids, positions: ``[T]`` int64. slot_mapping: ``[T]`` int64 cache slot of each token's K/V
-    (negative = padding, not stored). block_tables: ``[B, max_blocks]`` int32. context_lens: ``[B]``
-    int32 tokens each sequence attends to after this step's tokens are stored (0 = padding row).
-    Prefill only: query_lens / prefix_lens (host lists, per sequence: new tokens, tokens already cached).
-    seq_slots: ``[B]`` int32 per-sequence KV state slot (``Sequence.kv_slot``; -1 when the backend keeps
-    none). last_chunk: host list, True where this step computes a sequence's last uncomputed token.
-    Decode with lookahead: after the B real rows come draft rows (a guessed next token at position
-    + 1, never stored); ``draft_of`` ``[D]`` gives each draft row's real row. ``context_lens`` etc. cover
-    the real rows only.
+    input_ids, positions: ``[T]`` int64. slot_mapping: ``[T]`` int64 cache slot of each row's K/V
+    (negative = not stored). block_tables: ``[B, max_blocks]`` int32. context_lens: ``[B]`` int32
+    tokens each sequence attends to after this step's tokens are stored (0 = graph padding row).
+    Prefill only: query_lens / prefix_lens (host lists, per sequence: new tokens, tokens already
+    cached). The first rows are the sequences' tokens, back to back; a backend may add rows after
+    them (``StepPlan.extra_*``), which are never stored or sampled. ``meta``: the backend's own
+    per-step metadata (``AttentionBackend.prepare``), opaque to everything else.
     """
     is_prefill: bool
     input_ids: torch.Tensor
@@ -40,13 +38,15 @@ class ForwardBatch:
     context_lens: torch.Tensor
     query_lens: list[int] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
-    seq_slots: torch.Tensor | None = None
-    last_chunk: list[bool] = field(default_factory=list)
-    draft_of: torch.Tensor | None = None
+    meta: Any = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
 
 
 @dataclass
@@ -71,5 +71,6 @@ def forward_context(batch: ForwardBatch, backend: "AttentionBackend"):
 def get_forward_context() -> ForwardContext:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
-        raise RuntimeError("attention called outside forward_context(): run the model through ModelRunner")
+        raise RuntimeError("attention called outside forward_context(): run the model through "
+                           "ModelRunner")
     return ctx

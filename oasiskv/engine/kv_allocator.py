@@ -13,7 +13,6 @@ from oasiskv.engine.sequence import Sequence
 
 class KVAllocator(ABC):
     block_size: int  #: tokens per block
-    max_running: int | None = None  #: most sequences held at once, when something besides blocks bounds it
 
     @property
     @abstractmethod

@@ -13,9 +13,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
-import torch
-
+from oasiskv.attention import BackendFactory, make_backend
+from oasiskv.attention.base import StepStats
 from oasiskv.config import EngineConfig, ModelConfig
 from oasiskv.engine.detokenizer import Detokenizer
 from oasiskv.engine.model_runner import ModelRunner
@@ -23,7 +24,6 @@ from oasiskv.engine.scheduler import Scheduler
 from oasiskv.engine.sequence import Sequence, TokenLogprobs
 from oasiskv.models.loader import resolve_model_path
 from oasiskv.sampling_params import SamplingParams
-from oasiskv.spec.base import make_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,6 @@ class RequestOutput:
     finish_time: float | None = None
 
 
-#: per-step backend counters that also accumulate into ``EngineStats.kv_totals``
-KV_COUNTERS = ("hits", "misses", "fetched_blocks", "fetched_bytes", "deferred")
-
 
 @dataclass
 class EngineStats:
@@ -68,7 +65,7 @@ class EngineStats:
     last_batch_size: int = 0
     last_step_prefill: bool = False
     kv: dict = field(default_factory=dict)  # the backend's counters of the last step (tiered KV: fetches, ...)
-    kv_totals: dict = field(default_factory=dict)  # those counters summed over all steps
+    kv_totals: dict = field(default_factory=dict)  # its counters summed over all steps
 
 
 @dataclass
@@ -82,18 +79,18 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
-        config = config or EngineConfig(**kwargs)
+    """``LLMEngine(config)`` or ``LLMEngine(**settings)`` (flat ``EngineConfig`` / ``TierConfig``
+    fields). ``backend_factory`` builds the attention backend (default ``make_backend``: by
+    ``kv_mode``); benchmarks and tests pass one that adds their probes."""
+
+    def __init__(self, config: EngineConfig | None = None,
+                 backend_factory: BackendFactory = make_backend, **settings):
+        config = config or EngineConfig.from_flat(**settings)
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_file(self.model_path / "config.json")
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.runner = ModelRunner(config, self.model_path, self.model_config)
-        self.drafter = None
-        if config.draft:
-            self.drafter = make_drafter(config.draft, self.runner.device, self.runner.model)
-            self.runner.model.aux_layers = self.drafter.aux_layers
-        self.runner.capture_graphs()
+        self.runner = ModelRunner(config, self.model_path, self.model_config, backend_factory)
         self.max_model_len = self.runner.max_model_len
         self.allocator = self.runner.backend.make_allocator()
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
@@ -145,7 +142,6 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.abort(req.seq)
-        self._release_draft(req.seq)
         self._update_queue_stats()
         return True
 
@@ -153,37 +149,68 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, forced: Mapping[str, int] | None = None) -> list[RequestOutput]:
+        """Schedule and run one step; outputs of every request that advanced or finished.
+
+        Teacher forcing: a request listed in ``forced`` (request id -> token) that gets a token in
+        this step gets that token instead of a sampled one; its logprobs (when asked) score it,
+        with the model's top alternatives. The engine goes on from the forced token."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         start = time.perf_counter()
+        want = None if forced is None else [forced.get(s.request_id) for s in batch.seqs]
         try:
-            result = self.runner.run(batch)
+            result = self.runner.run(batch, want)
         except Exception as exc:  # one bad step must not take the engine or other requests down
             logger.exception("step failed; finishing its %d requests with an error", len(batch))
             return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
         self.scheduler.postprocess(batch)
-        outputs = []
         now = time.monotonic()
         for i, seq in enumerate(batch.seqs):
             seq.prompt_logprobs += result.prompt_logprobs[i]
-            token = result.tokens[i]
-            if token is None:
+            if result.tokens[i] is None:
                 continue
-            seq.append_token(token)
+            seq.append_token(result.tokens[i])
             if result.logprobs[i] is not None:
                 seq.output_logprobs.append(result.logprobs[i])
             if seq.first_token_time is None:
                 seq.first_token_time = now
+        try:
+            kv = self.runner.finish(batch)
+        except Exception as exc:  # the step's deferred work failed: its results cannot be trusted
+            logger.exception("step failed; finishing its %d requests with an error", len(batch))
+            return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
+        outputs = []
+        for seq, token in zip(batch.seqs, result.tokens):
+            if token is None:
+                continue
             reason = self._stop_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
-                self._release_draft(seq)
             outputs.append(self._output(seq))
-        self._draft(batch, [self.requests[o.request_id].seq for o in outputs if not o.finished])
-        self._record_step(batch, len(outputs), time.perf_counter() - start)
+        self._record_step(batch, len(outputs), time.perf_counter() - start, kv)
         return outputs
+
+    def replace_last_token(self, request_id: str, token: int) -> RequestOutput | None:
+        """Replace a running request's newest token, sampled by the last step and not yet computed,
+        before the next step feeds it to the model (e.g. a speculative mirror told the true token).
+        The stopping rules apply to the new token: returns the request's final output when it ends
+        it, else None. Raises ValueError when the request has no such token or ``token`` is not in
+        the vocabulary."""
+        req = self.requests.get(request_id)
+        seq = None if req is None else req.seq
+        if seq is None or not seq.output_token_ids or seq.num_computed_tokens >= len(seq):
+            raise ValueError(f"request {request_id!r} has no sampled token waiting to be computed")
+        if not 0 <= token < self.model_config.vocab_size:
+            raise ValueError(f"token {token} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        req.detok.undo_push()
+        seq.token_ids[-1] = seq.output_token_ids[-1] = token
+        reason = self._stop_reason(seq, token)
+        if reason is None:
+            return None
+        self.scheduler.finish(seq, reason)
+        return self._output(seq)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         req = self.requests[seq.request_id]
@@ -196,32 +223,10 @@ class LLMEngine:
             return "length"
         return None
 
-    def _draft(self, batch, seqs: list[Sequence]) -> None:
-        """Lookahead: each sequence that just got a token gets the drafter's guess of the one after."""
-        if self.drafter is None:
-            return
-        features = None
-        if self.drafter.aux_layers:
-            real = sum(batch.num_tokens)  # lookahead rows follow the real ones
-            features = torch.cat(self.runner.model.aux_hidden_states, dim=-1)[:real]
-        try:
-            self.drafter.observe(batch, features)
-            guesses = self.drafter.propose(seqs) if seqs else []
-        except Exception:  # a failing drafter costs prediction quality, never requests
-            logger.exception("the drafter failed; these sequences predict with their own query this step")
-            guesses = [None] * len(seqs)
-        for seq, guess in zip(seqs, guesses):
-            seq.draft_token = guess
-
-    def _release_draft(self, seq: Sequence) -> None:
-        seq.draft_token = None
-        if self.drafter is not None:
-            self.drafter.release(seq)
-
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         self.requests[seq.request_id].error = message
-        self.scheduler.finish(seq, "error")
-        self._release_draft(seq)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
         return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -245,17 +250,16 @@ class LLMEngine:
             del self.requests[seq.request_id]
         return out
 
-    def _record_step(self, batch, num_sampled: int, seconds: float) -> None:
+    def _record_step(self, batch, num_sampled: int, seconds: float, kv: StepStats) -> None:
         s = self.stats
         s.num_steps += 1
         s.last_step_seconds, s.last_batch_size, s.last_step_prefill = seconds, len(batch), batch.is_prefill
         if batch.is_prefill:
             s.prompt_tokens_total += sum(batch.num_tokens)
         s.generation_tokens_total += num_sampled
-        s.kv = self.runner.backend.step_stats()
-        for key in KV_COUNTERS:
-            if key in s.kv:
-                s.kv_totals[key] = s.kv_totals.get(key, 0) + s.kv[key]
+        s.kv = {**kv.counters, **kv.gauges}
+        for key, value in kv.counters.items():
+            s.kv_totals[key] = s.kv_totals.get(key, 0) + value
         self._update_queue_stats()
 
     def _update_queue_stats(self) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oasiskv.attention import make_backend
+from oasiskv.attention import BackendFactory, make_backend
+from oasiskv.attention.base import StepStats
 from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
 from oasiskv.engine.block_tables import BlockTableRows
 from oasiskv.engine.cuda_graph import CudaGraphRunner
@@ -55,7 +56,8 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig):
+    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
+                 backend_factory: BackendFactory = make_backend):
         self.config, self.model_config = config, model_config
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
@@ -64,23 +66,20 @@ class ModelRunner:
         max_len = config.max_model_len or model_config.max_position_embeddings
         self.model = load_model(model_path, model_config, self.dtype, self.device,
                                 max(max_len, model_config.max_position_embeddings), config.load_format)
-        self.backend = make_backend(config, model_config, self.dtype, self.device)
+        self.backend = backend_factory(config, self.model, self.dtype, self.device)
         self.backend.allocate(self._measure_budget() if self.device.type == "cuda" else None)
         self.max_model_len = min(max_len, self.backend.max_tokens_per_seq)
         if self.max_model_len < max_len:
-            logger.warning("max_model_len lowered from %d to %d: the KV storage holds only %d tokens per sequence",
-                           max_len, self.max_model_len, self.backend.max_tokens_per_seq)
+            logger.warning("max_model_len lowered from %d to %d: the KV storage holds only %d tokens "
+                           "per sequence", max_len, self.max_model_len, self.backend.max_tokens_per_seq)
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTableRows(config.max_num_seqs)
-
-    def capture_graphs(self) -> None:
-        """Capture decode CUDA graphs (CUDA, not ``enforce_eager``, a backend that supports them). Call
-        once the model is final: e.g. after a drafter set ``model.aux_layers``, which the graphs record."""
-        config = self.config
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
-            self.graphs = CudaGraphRunner(self.model, self.backend, min(config.max_graph_batch, config.max_num_seqs),
+        self.graphs: CudaGraphRunner | None = None
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and self.backend.supports_cuda_graphs):
+            self.graphs = CudaGraphRunner(self.model, self.backend,
+                                          min(config.max_graph_batch, config.max_num_seqs),
                                           self.max_blocks_per_seq, self.device)
 
     def _measure_budget(self) -> int:
@@ -104,31 +103,31 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepResult:
-        """One step: forward, then sample the next token of every sequence whose tokens are all computed.
-        Once the tokens are on the host, a replayed graph's tail starts (it overlaps the host's work
-        until the next step)."""
-        result = self._sample(batch, self.forward(batch))
-        self._finish_graph_step()
-        return result
+    def run(self, batch: ScheduledBatch, forced: list[int | None] | None = None) -> StepResult:
+        """One step: forward, then the next token of every sequence whose tokens are all computed:
+        sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score it)."""
+        return self._sample(batch, self.forward(batch), forced)
+
+    @torch.inference_mode()
+    def finish(self, batch: ScheduledBatch) -> StepStats:
+        """After ``run`` and once its tokens are appended: the backend's end of the step (its
+        deferred work, its counters)."""
+        with self._device_scope():
+            return self.backend.finish(batch)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the model over the batch's new tokens -> final hidden states ``[T, hidden]``. Runs with
-        the engine's GPU current (Triton launches on the current device; callers may be other threads)."""
-        self._finish_graph_step()  # a forward-only caller's last replay: its tail runs before this step
+        """Run the model over the batch's new tokens -> final hidden states ``[T, hidden]`` (the
+        sequences' tokens, then the backend's extra rows). Runs with the engine's GPU current
+        (Triton launches on the current device; callers may be other threads)."""
         with self._device_scope():
             fb = self._prepare(batch)
-            if (not fb.is_prefill and self.graphs is not None and self.graphs.can_run(len(batch))
-                    and self.backend.can_graph(fb)):
-                return self.graphs.run(fb)
+            if not fb.is_prefill and self.graphs is not None:
+                hidden = self.graphs.run(fb)
+                if hidden is not None:
+                    return hidden
             with forward_context(fb, self.backend):
                 return self.model(fb.input_ids, fb.positions)
-
-    def _finish_graph_step(self) -> None:
-        if self.graphs is not None:
-            with self._device_scope():
-                self.graphs.finish_step()
 
     def _device_scope(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -137,12 +136,12 @@ class ModelRunner:
     def next_token_logits(self, batch: ScheduledBatch, hidden: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """The sequences that get a next token this step and their logits ``[n, vocab]`` (float32)."""
         rows, seqs, end = [], [], 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for seq, n, samples in zip(batch.seqs, batch.num_tokens, batch.samples):
             end += n
-            if seq.num_computed_tokens + n == len(seq):
+            if samples:
                 rows.append(end - 1)
                 seqs.append(seq)
-        if len(rows) < hidden.shape[0]:  # prefill chunks, lookahead rows: only real last rows are sampled
+        if len(rows) < hidden.shape[0]:  # prefill chunks, extra rows: only sequences' last rows
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
         return seqs, self.model.compute_logits(hidden)
 
@@ -162,31 +161,39 @@ class ModelRunner:
             pos += range(start, start + n)
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             ctx.append(start + n)
-        draft_of = [] if batch.is_prefill else [i for i, s in enumerate(batch.seqs) if s.draft_token is not None]
-        for i in draft_of:  # lookahead rows: the guessed next token one position on, never stored
-            ids.append(batch.seqs[i].draft_token)
-            pos.append(pos[i] + 1)
-            slots.append(-1)
+        plan = self.backend.prepare(batch)
+        ids += plan.extra_ids
+        pos += plan.extra_positions
+        slots += [-1] * len(plan.extra_ids)
         tables = self.block_tables.build(batch.seqs)
-        return ForwardBatch(batch.is_prefill, self._to_device(ids, torch.long), self._to_device(pos, torch.long),
-                            self._to_device(slots, torch.long), self._to_device(tables, torch.int32),
-                            self._to_device(ctx, torch.int32), list(batch.num_tokens),
-                            [s.num_computed_tokens for s in batch.seqs],
-                            self._to_device([s.kv_slot for s in batch.seqs], torch.int32),
-                            [_ends_prefill(s, n) for s, n in zip(batch.seqs, batch.num_tokens)],
-                            self._to_device(draft_of, torch.long) if draft_of else None)
+        return ForwardBatch(batch.is_prefill, self._to_device(ids, torch.long),
+                            self._to_device(pos, torch.long), self._to_device(slots, torch.long),
+                            self._to_device(tables, torch.int32), self._to_device(ctx, torch.int32),
+                            list(batch.num_tokens), [s.num_computed_tokens for s in batch.seqs],
+                            plan.meta)
 
-    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> StepResult:
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor,
+                forced: list[int | None] | None = None) -> StepResult:
         result = StepResult([None] * len(batch), [None] * len(batch), [[] for _ in batch.seqs])
         if batch.is_prefill:
             self._prompt_logprobs(batch, hidden, result)
         sampled_seqs, logits = self.next_token_logits(batch, hidden)
         if not sampled_seqs:
             return result
-        out = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
-        tokens = out.tokens.tolist()
-        lps = _logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs) if out.top_ids is not None else None
+        st = self._sampling_tensors(sampled_seqs)
+        out = sample(logits, st, self.generator)
         index = {id(s): i for i, s in enumerate(batch.seqs)}
+        if forced is not None:  # teacher forcing: the forced tokens, scored in their place
+            want = [forced[index[id(s)]] for s in sampled_seqs]
+            if any(t is not None for t in want):
+                given = self._to_device([-1 if t is None else t for t in want], torch.long)
+                out.tokens = torch.where(given >= 0, given, out.tokens)
+                if st.max_logprobs >= 0:
+                    out.token_logprobs, out.top_ids, out.top_logprobs = token_logprobs(
+                        logits, out.tokens, st.max_logprobs)
+        tokens = out.tokens.tolist()
+        lps = (_logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs)
+               if out.top_ids is not None else None)
         for j, seq in enumerate(sampled_seqs):
             i = index[id(seq)]
             result.tokens[i] = tokens[j]
@@ -236,13 +243,6 @@ class ModelRunner:
         if seq.sampler_generator is None:
             seq.sampler_generator = torch.Generator(self.device).manual_seed(seq.params.seed)
         return seq.sampler_generator
-
-
-def _ends_prefill(seq: Sequence, n: int) -> bool:
-    """Whether computing ``n`` more tokens ends ``seq``'s prefill: all its tokens, or (a sequence being
-    recomputed after preemption, which already has outputs) all but the last, which decode computes."""
-    done = seq.num_computed_tokens + n
-    return done == len(seq) or (bool(seq.output_token_ids) and done == len(seq) - 1)
 
 
 def _logprob_lists(chosen, top_ids, top_lps) -> list[tuple[float, list[int], list[float]]]:

@@ -9,7 +9,7 @@ goes back to the front of the waiting queue to be recomputed later.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from oasiskv.engine.kv_allocator import KVAllocator
 from oasiskv.engine.sequence import Sequence, SequenceStatus
@@ -17,10 +17,23 @@ from oasiskv.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes: ``num_tokens[i]`` new tokens of ``seqs[i]``."""
+    """What one step computes: ``num_tokens[i]`` new tokens of ``seqs[i]``.
+
+    Fixed when the batch is made (before the step changes its sequences): ``samples[i]``, whether
+    the step computes every token of ``seqs[i]`` and so samples its next one; ``ends_prefill[i]``,
+    whether it ends the sequence's prefill: all its tokens, or, for a sequence recomputed after
+    preemption (it has outputs), all but the newest, which decode computes."""
     seqs: list[Sequence]
     num_tokens: list[int]
     is_prefill: bool
+    samples: list[bool] = field(init=False)
+    ends_prefill: list[bool] = field(init=False)
+
+    def __post_init__(self):
+        done = [s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_tokens)]
+        self.samples = [d == len(s) for s, d in zip(self.seqs, done)]
+        self.ends_prefill = [d == len(s) or (bool(s.output_token_ids) and d == len(s) - 1)
+                             for s, d in zip(self.seqs, done)]
 
     def __len__(self) -> int:
         return len(self.seqs)

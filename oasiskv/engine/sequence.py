@@ -49,8 +49,6 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     sampler_generator: object = None  # torch.Generator of a seeded request, made by the model runner
-    kv_slot: int = -1  # per-sequence KV state slot of a backend that keeps one (tiered KV), else -1
-    draft_token: int | None = None  # lookahead: a guess of the token after the newest one (from a drafter)
 
     def __post_init__(self):
         self.token_ids: list[int] = self.prompt_token_ids + self.output_token_ids  # all tokens, grows

@@ -34,16 +34,16 @@ operations in the same order. An exception raised while launching a stage propag
 (the engine finishes that step's requests with an error) after the foreground has been ordered behind
 whatever the stage had already queued, so none of its inputs is reused under it.
 
-Stall clock: with ``measure`` set, the foreground time spent waiting for stages (async) or running
-them (inline / synchronous retrieval) is added up on the device by clock marks around it
-(``kernels/device_clock.py``), in eager steps and graph replays alike, and read by ``stall_seconds``.
-It must be set when the pipeline is made: captured graphs keep the marks they were captured with.
+Stall: the foreground work of waiting for stages (async) or running them (inline) runs inside
+``stall()``, a context the caller supplies (a harness's stall clock, ``kv/probes.py``; it is entered
+while graphs are captured too, so captured graphs keep what it recorded). ``before_copy``, when
+given, runs on the copy stream before each copy (tests slow the copies with it).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -61,19 +61,14 @@ class Tail:
 
 
 class PrefetchPipeline:
-    def __init__(self, num_layers: int, device: torch.device, asynchronous: bool, measure: bool = False):
+    def __init__(self, num_layers: int, device: torch.device, asynchronous: bool,
+                 stall: Callable[[], ContextManager] = contextlib.nullcontext,
+                 before_copy: Callable[[], None] | None = None):
         self.cuda = device.type == "cuda"
         self.asynchronous = asynchronous and self.cuda
-        self.measure = measure
-        self.copy_delay_cycles = 0  # tests: hold the copy stream this many GPU cycles before each gather
+        self.stall, self.before_copy = stall, before_copy
         self._pending: list[Any] = [None] * num_layers  # (keep, plan, event marking the layer ready)
         self._captured: list[tuple[int, Callable[[Any], None], Any]] = []
-        self._stall_ns = torch.zeros(1, dtype=torch.long, device=device)  # the stall clock (``measure``)
-        self._clock = kernel("clock_add", self.cuda)
-        if measure:  # compile the mark now, not first inside a capture
-            with self.stall():
-                pass
-            self._stall_ns.zero_()
         self._last_selected: torch.cuda.Event | None = None
         self._busy: set = set()  # side streams holding work not yet joined
         if self.asynchronous:
@@ -125,8 +120,8 @@ class PrefetchPipeline:
 
     def _copy(self, layer: int, copy: Callable[[Any], None], plan: Any) -> None:
         """``copy(plan)`` on the current (copy) stream, then count it done on the device."""
-        if self.copy_delay_cycles:
-            torch.cuda._sleep(self.copy_delay_cycles)
+        if self.before_copy is not None:
+            self.before_copy()
         copy(plan)
         self._copied[layer].add_(1)
 
@@ -191,25 +186,3 @@ class PrefetchPipeline:
         if self._last_selected is not None:
             torch.cuda.current_stream().wait_event(self._last_selected)
             self._last_selected = None
-
-    @contextlib.contextmanager
-    def stall(self):
-        """Add the foreground work inside to the stall clock (when ``measure``): a device clock mark on
-        the current stream before and after it, captured into graphs like any kernel."""
-        if not self.measure:
-            yield
-            return
-        self._clock(self._stall_ns, -1)
-        try:
-            yield
-        finally:
-            self._clock(self._stall_ns, 1)
-
-    def stall_seconds(self) -> float | None:
-        """Foreground stall time since the last call (reads the device clock: syncs the current stream);
-        None when not measuring."""
-        if not self.measure:
-            return None
-        ns = self._stall_ns.item()
-        self._stall_ns.zero_()
-        return ns / 1e9

@@ -76,20 +76,15 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_hidden_states: list[torch.Tensor] = []
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
+                                                                      bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states; the residual stream after each layer listed in ``aux_layers`` is kept in
-        ``aux_hidden_states`` (``[T, hidden]`` each, in that order) for drafters that consume it."""
+        """Final hidden states. Each layer returns (block output, residual): the residual stream after
+        layer i is their sum (what forward hooks on ``layers[i]`` can read)."""
         x, residual = self.embed_tokens(input_ids), None
-        aux = []
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary)
-            if i in self.aux_layers:
-                aux.append(x + residual)
-        self.aux_hidden_states = aux
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

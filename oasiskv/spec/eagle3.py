@@ -96,17 +96,21 @@ class Eagle3Head(nn.Module):
 
 class HeadCache:
     """One sequence's K/V for the head, ``[Hk, capacity, D]`` each, of which the first ``length``
-    positions are filled; capacity doubles when full (amortized O(1) per appended position)."""
+    positions are filled; capacity doubles when full (amortized O(1) per appended position), up to
+    ``max_len`` positions when given (what the tier budgets per sequence)."""
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 max_len: int | None = None):
         self.k = self.v = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.length = 0
+        self.length, self.max_len = 0, max_len
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``k``/``v [n, Hk, D]`` -> views of every position so far, ``[Hk, length, D]``."""
         end = self.length + k.shape[0]
         if end > self.k.shape[1]:
             capacity = max(end, 2 * self.k.shape[1], 64)
+            if self.max_len is not None:
+                capacity = max(end, min(capacity, self.max_len))
             self.k, self.v = self._grown(self.k, capacity), self._grown(self.v, capacity)
         self.k[:, self.length:end] = k.transpose(0, 1)
         self.v[:, self.length:end] = v.transpose(0, 1)
@@ -169,8 +173,17 @@ class Eagle3Drafter(Drafter):
         self.aux_layers = self.head.aux_layers
         self.embed = target_model.embed_tokens
         self.caches: dict[int, HeadCache] = {}
+        self.max_len: int | None = None  # per-sequence cache bound, set by ``reserve``
         self.guesses: torch.Tensor | None = None  # the last step's, one per row, on the device
         self._guess_ids: dict[int, int] = {}  # seq id -> its row in ``guesses``
+
+    def bytes_per_seq(self, max_len: int) -> int:
+        """A sequence's head K/V cache at its largest (``max_len`` positions)."""
+        head = self.head
+        return 2 * head.kv_heads * head.head_dim * head.fc.weight.element_size() * max_len
+
+    def reserve(self, num_seqs: int, max_len: int) -> None:
+        self.max_len = max_len  # caches grow as sequences do, never past this
 
     @torch.inference_mode()
     def observe(self, batch, features):
@@ -181,7 +194,8 @@ class Eagle3Drafter(Drafter):
         for seq, n in zip(batch.seqs, batch.num_tokens):
             first, start = seq.num_computed_tokens - n, start + n
             if first == 0:  # a new sequence, or one recomputed after preemption
-                self.caches[seq.seq_id] = HeadCache(head.kv_heads, head.head_dim, head.fc.weight.dtype, device)
+                self.caches[seq.seq_id] = HeadCache(head.kv_heads, head.head_dim, head.fc.weight.dtype,
+                                                    device, self.max_len)
             cache = self.caches.get(seq.seq_id)
             if seq.is_finished or cache is None or cache.length != first:  # (out of step: no guess)
                 continue

@@ -40,7 +40,7 @@ def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw):
     assert alloc.num_free_blocks == alloc.num_total_blocks
 
 
-@pytest.mark.parametrize("draft", ["", "ngram"])
+@pytest.mark.parametrize("draft", ["none", "ngram"])
 def test_sequences_recomputed_in_chunks_are_reseeded(tmp_path, draft):
     """A preempted sequence is recomputed in chunks that can stop one token short of its end (decode
     computes that token): its working set must be seeded there, not only when a chunk ends a prompt."""
@@ -66,22 +66,22 @@ def test_fixture_target_oasis_equals_dense(fixtures_path):
 
 def check_working_sets(engine):
     """Every running sequence's per-(layer, head) mapping holds distinct, existing blocks."""
-    backend = engine.runner.backend
-    K = backend.layout.topk_blocks
+    kv, slot_of = engine.runner.backend.kv, engine.allocator.slot_of
+    K = kv.layout.topk_blocks
     for seq in engine.scheduler.running:
-        if seq.in_prefill or seq.kv_slot < 0:
+        if seq.in_prefill or seq.seq_id not in slot_of:
             continue
-        complete = (len(seq) - 1) // backend.layout.block_size
-        for layer in range(backend.layout.num_layers):
-            for blocks in backend.ws.map[layer][seq.kv_slot, :, :K].tolist():
+        slot, complete = slot_of[seq.seq_id], (len(seq) - 1) // kv.layout.block_size
+        for layer in range(kv.layout.num_layers):
+            for blocks in kv.ws.map[layer][slot, :, :K].tolist():
                 held = [b for b in blocks if b >= 0]
                 assert len(held) == len(set(held)) and all(b < complete + 1 for b in held)
-            assert (backend.ws.map[layer][seq.kv_slot, :, K] == -1).all(), "local slot is never mapped"
+            assert (kv.ws.map[layer][slot, :, K] == -1).all(), "local slot is never mapped"
 
 
 def test_cap_and_mapping_invariants_during_a_run(tiny):
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01)
-    engine, backend = llm.engine, llm.engine.runner.backend
+    engine, backend = llm.engine, llm.engine.runner.backend.kv
     assert backend.cap == 2  # ceil(0.34 * 3)
     for p in prompts(4, lo=60, hi=160, seed=2):
         engine.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
@@ -114,7 +114,7 @@ def test_abort_frees_host_blocks_and_slot(tiny):
 
 def test_admission_respects_both_budgets(tiny):
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.0004, max_num_seqs=3)
-    engine, backend = llm.engine, llm.engine.runner.backend
+    engine, backend = llm.engine, llm.engine.runner.backend.kv
     blocks = engine.allocator.num_total_blocks
     assert blocks == int(0.0004 * 2**30) // backend.layout.host_block_bytes
     assert engine.max_model_len == blocks * 16
@@ -192,7 +192,7 @@ def test_bench_reports_oasis_points_with_pcie_traffic():
     assert "PCIe GB/s" in out.stdout
 
 
-@pytest.mark.parametrize("draft", ["none", "ngram"])
+@pytest.mark.parametrize("draft", ["previous", "ngram"])
 def test_lookahead_equals_dense_when_k_covers_every_block(tiny, draft):
     batch = prompts(4, seed=6)
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01, draft=draft)
@@ -210,12 +210,12 @@ def test_draft_rows_see_the_working_set_the_real_token_and_themselves(tiny):
     for _ in range(4):  # prefill + a few decode steps: the local block holds several tokens
         engine.step()
     seq = engine.scheduler.running[0]
-    assert seq.draft_token is not None
+    guess = engine.runner.backend.lookahead.guesses[seq.seq_id]
     batch = engine.scheduler.schedule()
     hidden = engine.runner.forward(batch)
     assert hidden.shape[0] == 2
     dense = LLM(str(tiny), num_kv_blocks=64).engine
-    for tokens, row in ((seq.token_ids, 0), (seq.token_ids + [seq.draft_token], 1)):
+    for tokens, row in ((seq.token_ids, 0), (seq.token_ids + [guess], 1)):
         ref = Sequence(list(tokens), SamplingParams())
         dense.allocator.allocate(ref, len(tokens))
         want = dense.runner.forward(ScheduledBatch([ref], [len(tokens)], True))[-1]
@@ -231,11 +231,11 @@ def test_eval_lookahead_measures_drafters_and_set_agreement(tmp_path):
     text.write_text(json.dumps({"docs": [f"def f{i}(x):\n    return x * {i}\n" for i in range(200)]}))
     out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval", str(DEMO_MODEL),
                           "--text", str(text), "--windows", "2", "--window-len", "256", "--last", "32",
-                          "--topk-blocks", "4", "--drafts", "none,ngram,oracle", "--draft-k", "4",
+                          "--topk-blocks", "4", "--drafts", "previous,ngram,oracle", "--draft-k", "4",
                           "--fetch-ratio", "0.25"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     runs = {r["setting"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["runs"]}
-    none, ngram, oracle = (runs[f"lookahead K=4 f=0.25 {d}"] for d in ("none", "ngram", "oracle"))
+    none, ngram, oracle = (runs[f"lookahead K=4 f=0.25 {d}"] for d in ("previous", "ngram", "oracle"))
     assert none["draft_hit_rate"] is None and oracle["draft_hit_rate"] == 1.0
     assert 0.0 <= ngram["draft_hit_rate"] <= 1.0
     assert len(oracle["set_agreement_per_layer"]) == 2  # the demo model's layers
@@ -245,6 +245,7 @@ def test_eval_lookahead_measures_drafters_and_set_agreement(tmp_path):
 
 def test_a_failing_drafter_costs_predictions_not_requests(tiny, monkeypatch):
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.01, draft="ngram")
-    monkeypatch.setattr(llm.engine.drafter, "propose", lambda seqs: [][len(seqs)])  # raises IndexError
+    drafter = llm.engine.runner.backend.lookahead.drafter
+    monkeypatch.setattr(drafter, "propose", lambda seqs: [][len(seqs)])  # raises IndexError
     outs = llm.generate(prompts(2, seed=8), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)

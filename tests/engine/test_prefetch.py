@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.bench.harness import DeviceStallClock, EmulatedHostStore, emulated_host, oasis_backend
 from oasiskv.kv import prefetch
+from oasiskv.kv.probes import TierProbes
 from tests.engine.test_oasis import dense_tokens, prompts
 from tests.helpers import eval_prompts, write_tiny_checkpoint
 
@@ -22,27 +24,30 @@ def tiny(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
-def run(llm, batch, params=PARAMS):
+def run(llm, batch, params=PARAMS, clock=None):
     """Token ids and their logprobs per request, plus the summed decode-step counters (and stall time,
-    when the engine measures it)."""
+    read from ``clock`` when given)."""
     engine = llm.engine
     for p in batch:
         engine.add_request(p, params)
     outs, totals = {}, {"fetched_blocks": 0, "decode_rows": 0}
-    if engine.config.measure_stall:
+    if clock is not None:
         totals["stall_seconds"] = 0.0
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o
+        stall = clock.take() if clock is not None else 0.0
         if not engine.stats.last_step_prefill:
-            for key in totals:
+            for key in ("fetched_blocks", "decode_rows"):
                 totals[key] += engine.stats.kv[key]
+            if clock is not None:
+                totals["stall_seconds"] += stall
     ordered = [outs[k] for k in sorted(outs, key=lambda r: int(r.split("-")[1]))]
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in ordered], totals
 
 
-@pytest.mark.parametrize("draft", ["none", "ngram"])
+@pytest.mark.parametrize("draft", ["previous", "ngram"])
 def test_async_and_inline_prefetch_agree_when_blocks_are_fetched(tiny, draft):
     batch = prompts(4, lo=90, hi=200, seed=21)
     kw = dict(kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft=draft)
@@ -54,12 +59,12 @@ def test_async_and_inline_prefetch_agree_when_blocks_are_fetched(tiny, draft):
 
 def test_prefetch_off_fetches_nothing_after_seeding(tiny):
     batch = prompts(3, lo=90, hi=200, seed=22)
-    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="none",
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="previous",
               prefetch="off")
     _, totals = run(llm, batch)
     assert totals["fetched_blocks"] == 0 and totals["decode_rows"] > 0
     # with every block resident from the start there is nothing to fetch: still exactly dense
-    full = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01, draft="none",
+    full = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01, draft="previous",
                prefetch="off")
     assert [o.token_ids for o in full.generate(batch, PARAMS)] == dense_tokens(tiny, batch, PARAMS)
 
@@ -73,7 +78,8 @@ def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkey
         pytest.skip("needs a CUDA GPU")
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="ngram",
               prefetch=prefetch, enforce_eager=enforce_eager)
-    engine, ws = llm.engine, llm.engine.runner.backend.ws
+    engine, backend = llm.engine, llm.engine.runner.backend
+    ws = backend.kv.ws
     assert (engine.runner.graphs is None) == enforce_eager
     engine.add_request(prompts(1, lo=120, hi=121, seed=23)[0], PARAMS, request_id="doomed")
     engine.step()  # prefill (seeding fetches through the same copy)
@@ -89,7 +95,7 @@ def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkey
 
     monkeypatch.setattr(ws, "gather", failing(ws.gather))
     if not enforce_eager:  # a replay's copies are launched as one graph (the step's tail)
-        for tail in engine.runner.graphs.tails.values():
+        for tail in backend.retrieval._tails.values():
             monkeypatch.setattr(tail.graph, "replay", failing(tail.graph.replay))
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("doomed", "error")]
@@ -105,16 +111,18 @@ def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkey
 
 
 def test_emulated_host_admits_past_the_physical_store_and_shares_its_blocks(tiny):
-    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.0002, emulated_host_gib=0.002)
-    host, alloc = llm.engine.runner.backend.host, llm.engine.allocator
-    assert host.emulated and alloc.num_total_blocks == host.num_blocks >= 10 * host.num_physical
+    probes = TierProbes(host_store=emulated_host(0.002))
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.0002,
+              backend_factory=oasis_backend(probes))
+    host, alloc = llm.engine.runner.backend.kv.host, llm.engine.allocator
+    assert isinstance(host, EmulatedHostStore)
+    assert alloc.num_total_blocks == host.num_blocks >= 10 * host.num_physical
     ids = torch.tensor([-1, 0, host.num_physical + 3, 5 * host.num_physical + 1])
     assert host.physical_blocks(ids).tolist() == [-1, 0, 3, 1]
-    summaries = llm.engine.runner.backend.summaries.tables[0]
+    summaries = llm.engine.runner.backend.kv.summaries.tables[0]
     assert summaries.shape[0] == host.num_blocks, "summaries stay per block id: their HBM cost is real"
-    from oasiskv.kv.host_store import HostStore
     with pytest.raises(ValueError, match="at least one block"):
-        HostStore(host.layout, host.num_blocks, pin=False, num_physical=0)
+        EmulatedHostStore(host.layout, host.num_blocks, pin=False, num_physical=0)
     engine, peak = llm.engine, 0
     for p in prompts(6, lo=100, hi=101, seed=25):
         engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -131,22 +139,33 @@ def test_bench_labels_emulated_points_and_reports_stall():
     out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench", "qwen3-tiny",
                           "--context-lens", "256", "--concurrency", "2", "--output-lens", "16", "--kv-mode", "oasis",
                           "--topk-blocks", "4", "--fetch-ratio", "0.25", "--host-kv-gib", "0.001",
-                          "--emulated-host-gib", "0.01", "--draft", "none", "--enforce-eager"],
+                          "--emulated-host-gib", "0.01", "--draft", "previous", "--enforce-eager"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     point = result["points"][0]
-    assert point["engine"] == "oasis-K4-none-async-EMULATED" and "EMULATED" in point["note"]
+    assert point["engine"] == "oasis-K4-previous-async-EMULATED" and "EMULATED" in point["note"]
     assert "EMULATED" in result["environment"]["emulated_host"] and point["stall_ms"] > 0
     assert "*** EMULATED host" in out.stdout and "stall ms" in out.stdout
 
 
 # ---- GPU: side streams ---------------------------------------------------------------------------------
 
-def oasis_fixture_llm(fixtures_path, **kw):
+def oasis_fixture_llm(fixtures_path, probes=None, **kw):
     kw = dict(dtype="float32", kv_mode="oasis", topk_blocks=8, fetch_ratio=0.25, host_kv_gib=0.5, draft="ngram",
               max_num_seqs=8) | kw
-    return LLM(str(fixtures_path / "target"), **kw)
+    return LLM(str(fixtures_path / "target"), backend_factory=oasis_backend(probes or TierProbes()), **kw)
+
+
+class CopyDelay:
+    """A ``before_copy`` probe: holds the copy stream ``cycles`` GPU cycles before each copy."""
+
+    def __init__(self):
+        self.cycles = 0
+
+    def __call__(self):
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
 
 
 FIXTURE_PARAMS = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
@@ -169,17 +188,19 @@ def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path
     want, totals = run(inline_llm, batch, FIXTURE_PARAMS)
     assert totals["fetched_blocks"] > 0
     del inline_llm
-    slow = oasis_fixture_llm(fixtures_path, enforce_eager=enforce_eager, measure_stall=True)
-    pipeline = slow.engine.runner.backend.pipeline
+    clock, delay = DeviceStallClock(cuda_device), CopyDelay()
+    slow = oasis_fixture_llm(fixtures_path, TierProbes(stall_clock=clock, before_copy=delay),
+                             enforce_eager=enforce_eager)
+    pipeline = slow.engine.runner.backend.retrieval.pipeline
     assert pipeline.asynchronous and (slow.engine.runner.graphs is None) == enforce_eager
-    got, totals = run(slow, batch, FIXTURE_PARAMS)
+    got, totals = run(slow, batch, FIXTURE_PARAMS, clock)
     assert_same_run(got, want)
     steps = FIXTURE_PARAMS.max_tokens - 1
     unslowed_stall = totals["stall_seconds"] / steps
-    pipeline.copy_delay_cycles = 20_000_000
+    delay.cycles = 20_000_000
     if not enforce_eager:  # the delay must be inside the graphs: capture again
         slow.engine.runner.graphs._capture()
-    got, totals = run(slow, batch, FIXTURE_PARAMS)
+    got, totals = run(slow, batch, FIXTURE_PARAMS, clock)
     assert_same_run(got, want)
     slowed_stall = totals["stall_seconds"] / steps
     assert slowed_stall > 5e-3 and unslowed_stall < slowed_stall / 5, (unslowed_stall, slowed_stall)
@@ -195,10 +216,11 @@ def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path
 
 @pytest.mark.gpu
 def test_a_copy_that_never_arrives_fails_its_step_instead_of_hanging(cuda_device, fixtures_path, monkeypatch):
-    llm = oasis_fixture_llm(fixtures_path)
-    engine, pipeline = llm.engine, llm.engine.runner.backend.pipeline
+    delay = CopyDelay()
+    llm = oasis_fixture_llm(fixtures_path, TierProbes(before_copy=delay))
+    engine = llm.engine
     monkeypatch.setattr(prefetch, "WAIT_POLLS", 1000)  # far shorter than a copy held back 10 ms
-    pipeline.copy_delay_cycles = 20_000_000
+    delay.cycles = 20_000_000
     engine.runner.graphs._capture()
     batch = eval_prompts(fixtures_path, llm, 3, 700, seed=3)
     for p in batch:
@@ -207,7 +229,7 @@ def test_a_copy_that_never_arrives_fails_its_step_instead_of_hanging(cuda_device
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
     assert len(outs) == 3 and all(o.finish_reason == "error" and "waited more than" in o.error for o in outs)
-    pipeline.copy_delay_cycles = 0  # the engine goes on serving, with correct results
+    delay.cycles = 0  # the engine goes on serving, with correct results
     monkeypatch.undo()
     engine.runner.graphs._capture()
     want = run(oasis_fixture_llm(fixtures_path, prefetch="inline", enforce_eager=True), batch, FIXTURE_PARAMS)[0]
@@ -215,7 +237,7 @@ def test_a_copy_that_never_arrives_fails_its_step_instead_of_hanging(cuda_device
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("draft", ["", "none", "ngram"])
+@pytest.mark.parametrize("draft", ["none", "previous", "ngram"])
 def test_cuda_graph_oasis_decode_equals_eager(cuda_device, fixtures_path, draft):
     eager = oasis_fixture_llm(fixtures_path, draft=draft, enforce_eager=True)
     batch = eval_prompts(fixtures_path, eager, 6, 700, seed=2)
@@ -223,7 +245,7 @@ def test_cuda_graph_oasis_decode_equals_eager(cuda_device, fixtures_path, draft)
     del eager
     graphs = oasis_fixture_llm(fixtures_path, draft=draft)
     runner = graphs.engine.runner.graphs
-    assert runner is not None and runner.draft_rows == (draft == "ngram")
+    assert runner is not None and (runner.rows_per_seq == 2) == (draft == "ngram")
     replays, real_run = [], runner.run
     runner.run = lambda batch: replays.append(batch.num_tokens) or real_run(batch)
     got, graph_totals = run(graphs, batch, FIXTURE_PARAMS)

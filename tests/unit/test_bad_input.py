@@ -18,9 +18,10 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-1), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"),
-    (dict(seed=-1), "seed"), (dict(logprobs=99), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(seed=-1), "seed"),
+    (dict(logprobs=99), "logprobs"), (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[10**9]), "stop_token_ids"),
 ])
 def test_invalid_sampling_values_name_the_field(kw, field):
@@ -62,14 +63,16 @@ def test_hub_id_offline_fails_fast_with_advice(tmp_path):
             "try:\n    resolve_model_path('someone/some-model')\n"
             "except FileNotFoundError as e:\n    print(e)\n")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
     assert "someone/some-model" in out.stdout and "local folder" in out.stdout
 
 
 def test_bad_requests_leave_the_engine_serving(tiny):
     llm = LLM(str(tiny), num_kv_blocks=64, max_model_len=128)
     engine = llm.engine
-    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    good = engine.add_request([1, 2, 3],
+                              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     with pytest.raises(ValueError, match="context limit is 128"):
         engine.add_request(list(range(1, 200)), SamplingParams())
     with pytest.raises(ValueError, match="prompt is empty"):
@@ -94,7 +97,8 @@ def test_a_failing_step_fails_its_requests_only(tiny, monkeypatch):
     first = engine.add_request([1, 2, 3], params)
     engine.step()  # prefill of the first request
     real_run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(engine.runner, "run",
+                        lambda batch, forced=None: (_ for _ in ()).throw(RuntimeError("boom")))
     failed = engine.step()
     assert [(o.request_id, o.finish_reason) for o in failed] == [(first, "error")]
     assert "boom" in failed[0].error
@@ -117,8 +121,9 @@ def test_engine_config_rejects_nonsense():
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
-    (dict(top_p=float("nan")), "top_p"), (dict(seed=2**64), "seed"), (dict(top_k=2**40), "top_k"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_p=float("nan")), "top_p"),
+    (dict(seed=2**64), "seed"), (dict(top_k=2**40), "top_k"),
     (dict(max_tokens=True), "max_tokens"),
 ])
 def test_values_that_would_fail_mid_step_are_rejected_up_front(kw, field):

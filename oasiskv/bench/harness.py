@@ -1,0 +1,92 @@
+"""What the benchmarks and the eval attach to an engine: probes the served engine never carries.
+
+- ``EmulatedHostStore``: a host store that answers for more block ids than it holds (capacity
+  emulation, benchmark only): id b lives in physical block b mod ``num_physical``, so requests share
+  physical blocks. Bytes moved and access patterns are real, the contents are not: only for
+  random-weight throughput runs, and every output says so (``emulated_label``).
+- ``DeviceStallClock``: the foreground stall clock. Clock marks (``kernels/device_clock.py``)
+  around each foreground wait for, or in-line run of, selection and fetch add up on the device, in
+  eager steps and graph replays alike (graphs keep the marks they were captured with); ``take``
+  reads it once per step (a sync).
+- ``oasis_backend``: a backend factory for ``LLMEngine`` that builds the sparse backend with probes
+  (and optionally a drafter of the harness's own, e.g. the eval's oracle).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+from oasiskv.attention.sparse import SparseBackend
+from oasiskv.kernels.dispatch import kernel
+from oasiskv.kv.host_store import HostStore
+from oasiskv.kv.layout import TieredLayout
+from oasiskv.kv.probes import TierProbes
+from oasiskv.kv.tiered import host_blocks_for
+
+logger = logging.getLogger(__name__)
+
+
+class EmulatedHostStore(HostStore):
+    """``num_blocks`` host block ids on ``num_physical`` physical blocks (ids share rows)."""
+
+    def __init__(self, layout: TieredLayout, num_blocks: int, pin: bool, num_physical: int):
+        super().__init__(layout, min(num_physical, num_blocks), pin)
+        self.num_physical, self.num_blocks = self.num_blocks, max(num_blocks, num_physical)
+        logger.warning("EMULATED host capacity: %d block ids share %d physical blocks (benchmark "
+                       "only: KV contents are shared between requests)", self.num_blocks,
+                       self.num_physical)
+
+    def physical_blocks(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(ids >= 0, ids % self.num_physical, ids)
+
+    def physical_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        span = self.num_physical * self.layout.block_size
+        return torch.where(slots >= 0, slots % span, slots)
+
+
+def emulated_host(gib: float):
+    """A ``TierProbes.host_store`` factory: ``gib`` GiB of block ids over the physical store that
+    ``host_kv_gib`` sizes."""
+    def make(layout: TieredLayout, num_physical: int, pin: bool) -> HostStore:
+        return EmulatedHostStore(layout, host_blocks_for(gib, layout), pin, num_physical)
+    return make
+
+
+def emulated_label(engine) -> str:
+    """What every output of an engine with an emulated host store says ('' otherwise)."""
+    store = getattr(getattr(engine.runner.backend, "kv", None), "host", None)
+    if not isinstance(store, EmulatedHostStore):
+        return ""
+    return f"EMULATED host: {store.num_blocks} block ids on {store.num_physical} physical blocks"
+
+
+class DeviceStallClock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._ns = torch.zeros(1, dtype=torch.long, device=device)
+        self._mark = kernel("clock_add", self.cuda)
+        with self.measure():  # compile the mark now, not first inside a capture
+            pass
+        self._ns.zero_()
+
+    @contextlib.contextmanager
+    def measure(self):
+        self._mark(self._ns, -1)
+        try:
+            yield
+        finally:
+            self._mark(self._ns, 1)
+
+    def take(self) -> float:
+        """Stall seconds since the last call (syncs the current stream)."""
+        ns = self._ns.item()
+        self._ns.zero_()
+        return ns / 1e9
+
+
+def oasis_backend(probes: TierProbes, drafter=None):
+    """A ``BackendFactory`` building ``SparseBackend`` with ``probes`` (and ``drafter``)."""
+    return functools.partial(SparseBackend, probes=probes, drafter=drafter)

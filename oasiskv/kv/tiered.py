@@ -1,0 +1,229 @@
+"""TieredKV: the tiered KV of every layer and the operations one step applies to it.
+
+Storage: the host store (every block of every running sequence), the summaries of complete blocks
+and the per-head working sets (``allocate``). Operations, per layer: ``store`` (new K/V into the
+host store), ``prefill`` (dense attention over the prompt, summaries of its complete blocks, and the
+seeding of each head's working set by the last prompt token's query, without cap),
+``store_local`` / ``attend`` (sparse attention over the K slots + the local block, draft rows
+included), ``complete_local_blocks`` (a filled local block is summarised and promoted into the
+working set) and ``retrieve`` (score, select under the fetch cap, optionally copy). Where and when
+``retrieve`` runs is the retrieval's decision (``kv/retrieval.py``); this file knows nothing of
+drafters or side streams.
+
+Per-step metadata (``TierStep``) comes from the backend's ``prepare``: each row's working-set slot,
+which rows end their prefill, and the draft rows of a lookahead step. ``now`` is the decode step
+stamp on the device (the LRU key): the backend bumps it before each decode step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from oasiskv.attention.prefill import prefill_attention
+from oasiskv.config import TierConfig
+from oasiskv.engine.forward_batch import ForwardBatch
+from oasiskv.kernels.dispatch import kernel
+from oasiskv.kv.counters import DeviceCounters
+from oasiskv.kv.host_store import HostStore
+from oasiskv.kv.layout import TieredLayout
+from oasiskv.kv.probes import TierProbes
+from oasiskv.kv.summaries import SummaryStore
+from oasiskv.kv.working_set import WorkingSet
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST_GIB = 4.0
+
+
+@dataclass
+class TierStep:
+    """One step's tier metadata (``ForwardBatch.meta``). slots: int32 ``[N]`` working-set slot of
+    each sequence row. ends_prefill: host list (prefill steps). draft_rows: int32 ``[N]`` q row of
+    each row's draft, -1 where none, and draft_of: int64 ``[D]`` the row of each draft row (decode
+    steps with guesses; else None). aux: layer -> residual stream ``[T, hidden]`` after that layer,
+    filled during the forward for a drafter that reads target features."""
+    slots: torch.Tensor
+    ends_prefill: list[bool] = field(default_factory=list)
+    draft_rows: torch.Tensor | None = None
+    draft_of: torch.Tensor | None = None
+    aux: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def host_blocks_for(gib: float, layout: TieredLayout) -> int:
+    """Host blocks that ``gib`` GiB hold (K and V)."""
+    return int(gib * 2**30 // layout.host_block_bytes)
+
+
+class TieredKV:
+    def __init__(self, layout: TieredLayout, config: TierConfig, device: torch.device,
+                 probes: TierProbes):
+        self.layout, self.config, self.device, self.probes = layout, config, device, probes
+        self.cap = layout.fetch_cap(config.fetch_ratio)
+        self.host: HostStore | None = None
+        self.summaries: SummaryStore | None = None
+        self.ws: WorkingSet | None = None
+        cuda = device.type == "cuda"
+        self._store, self._attend = kernel("store_kv", cuda), kernel("sparse_decode_attention", cuda)
+        self._gather = kernel("gather_blocks", cuda)
+        self.now = torch.zeros((), dtype=torch.long, device=device)  # decode step stamp (LRU key)
+        #: the selection kernel adds hits, misses and admitted blocks here, in this order
+        self.counters = DeviceCounters(("hits", "misses", "fetched_blocks"), device)
+
+    # ---- storage ---------------------------------------------------------------------------------
+    def make_host_store(self) -> HostStore:
+        """The host store ``host_kv_gib`` sizes (the probes' factory when given)."""
+        lay = self.layout
+        blocks = host_blocks_for(self.config.host_kv_gib or DEFAULT_HOST_GIB, lay)
+        make = self.probes.host_store or HostStore
+        return make(lay, blocks, self.device.type == "cuda")
+
+    def allocate(self, host: HostStore, num_slots: int) -> None:
+        """Summaries for every host block id and ``num_slots`` working sets (one of them the graph
+        padding rows' scratch slot)."""
+        self.host = host
+        self.summaries = SummaryStore(self.layout, host.num_blocks, self.device, self.config.score_alpha)
+        self.ws = WorkingSet(self.layout, num_slots, self.device)
+
+    # ---- prefill ---------------------------------------------------------------------------------
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the step's K/V ``[T, Hk, D]`` into the host store (negative slots skipped)."""
+        host_k, host_v = self.host.layer(layer)
+        self._store(k, v, host_k, host_v, self.host.physical_slots(slot_mapping))
+
+    def prefill(self, layer: int, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Dense attention over each sequence's prompt (a chunk's prefix read from the host store),
+        summaries of the blocks the step completed, and seeding where the step ends a prefill."""
+        B, step = self.layout.block_size, batch.meta
+        out = prefill_attention(q, k, v, batch, scale, lambda i, n: self._host_prefix(layer, batch, i, n))
+        end = 0
+        for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
+            end += n
+            table = batch.block_tables[i]
+            self._summarise(layer, table[prefix // B:(prefix + n) // B])
+            if step.ends_prefill[i]:
+                self._seed(layer, q[end - 1], table, prefix + n, step.slots[i:i + 1])
+        return out
+
+    def _host_prefix(self, layer: int, batch: ForwardBatch, row: int, length: int):
+        """K, V of a sequence's first ``length`` tokens, ``[Hk, length, D]``, gathered from the host
+        store straight into device memory (UVA on CUDA: no copy through the CPU)."""
+        lay = self.layout
+        heads, B, D = lay.num_kv_heads, lay.block_size, lay.head_dim
+        blocks = batch.block_tables[row, : -(-length // B)].long()
+        n = blocks.shape[0]
+        k = torch.empty((n * heads, B, D), dtype=lay.dtype, device=self.device)
+        v = torch.empty_like(k)
+        head = torch.arange(heads, device=self.device).repeat(n)
+        self._gather(self.host.k, self.host.v, layer, k, v,
+                     self.host.physical_blocks(blocks.repeat_interleave(heads)), head,
+                     torch.arange(n * heads, device=self.device))
+        return tuple(x.view(n, heads, B, D).transpose(0, 1).reshape(heads, -1, D)[:, :length]
+                     for x in (k, v))
+
+    def _summarise(self, layer: int, host_blocks: torch.Tensor) -> None:
+        """Summaries of complete blocks (host ids) from the host store, every head."""
+        if host_blocks.numel() == 0:
+            return
+        heads = self.layout.num_kv_heads
+        blocks = host_blocks.long().repeat_interleave(heads)
+        head = torch.arange(heads, device=blocks.device).repeat(host_blocks.numel())
+        self.summaries.update(layer, self.host.layer(layer)[0], self.host.physical_blocks(blocks), head,
+                              blocks, head)
+
+    def _seed(self, layer: int, q_last: torch.Tensor, table: torch.Tensor, length: int,
+              slot: torch.Tensor) -> None:
+        """First working set of a sequence whose prompt (``length`` tokens) is complete: its top-K
+        blocks by the last token's query, fetched without cap, and the partial last block as the
+        local block."""
+        B, K, heads = self.layout.block_size, self.layout.topk_blocks, self.layout.num_kv_heads
+        slot = slot.long()
+        self.ws.reset(layer, slot)
+        complete = length // B
+        if complete:
+            scores = self.summaries.scores(layer, q_last[None], table[None, :complete],
+                                           torch.full((1,), complete, dtype=torch.int32, device=self.device))
+            self.ws.select_and_fetch(layer, self.host, slot, table[None, :complete], scores, cap=K,
+                                     now=self.now)
+        if length % B:
+            local = torch.full((1, heads, 1), self.layout.local_slot, dtype=torch.long, device=self.device)
+            block = table[complete].long().view(1, 1, 1).expand(1, heads, 1)
+            self.ws.fetch(layer, self.host, slot, block, local)
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def store_local(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                    pos: torch.Tensor) -> None:
+        """Append each row's new K/V ``[N, Hk, D]`` to its local block (slots, pos ``[N]``)."""
+        B = self.layout.block_size
+        local_k, local_v = self.ws.local(layer)
+        self._store(k, v, local_k, local_v, slots.long() * B + pos % B)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: "TierStep",
+               pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """Sparse attention of q ``[T, Hq, D]`` over each row's working set and local block; draft rows
+        (``step.draft_rows``) see their row's too, plus the row's and their own K/V (``k``/``v``
+        ``[T, Hk, D]``), never stored."""
+        B = self.layout.block_size
+        extra = {} if step.draft_rows is None else dict(draft_rows=step.draft_rows, extra_k=k, extra_v=v)
+        return self._attend(q, self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], step.slots,
+                            (pos % B + 1).to(torch.int32), scale, **extra)
+
+    def complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor,
+                              tables: torch.Tensor, real: torch.Tensor) -> None:
+        """Rows whose local block just filled: summarise it and move it into the working set. ``real``
+        ``[N]`` is False on graph padding rows (their table rows are stale: they must write nothing)."""
+        lay, B = self.layout, self.layout.block_size
+        done = (pos % B == B - 1) & real
+        host_block = tables.long().gather(1, (pos // B)[:, None])[:, 0]
+        heads = self.heads(len(pos))
+        local_k = self.ws.local(layer)[0]
+        self.summaries.update(layer, local_k, slots.repeat_interleave(lay.num_kv_heads), heads,
+                              torch.where(done, host_block, -1).repeat_interleave(lay.num_kv_heads), heads)
+        self.ws.promote_local(layer, slots, done, pos // B, self.now)
+
+    def retrieve(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 complete: torch.Tensor, fetch: bool = True, notify: str | None = None,
+                 now: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score each row's ``complete`` ``[N]`` blocks with ``q`` ``[N, Hq, D]``, plan the capped
+        selection (counted in ``counters``) at stamp ``now`` (default: this step's) and, with
+        ``fetch``, copy the admitted blocks. Returns the plan: (host block ids, slots)."""
+        scores = self.summaries.scores(layer, q, tables, complete.to(torch.int32))
+        if notify:
+            self.notify(notify, layer, slots, scores)
+        plan = self.ws.plan(layer, slots, tables, scores, self.cap, self.now if now is None else now,
+                            self.counters.tensor)
+        if fetch:
+            self.ws.fetch(layer, self.host, slots, *plan)
+        return plan
+
+    def notify(self, kind: str, layer: int, slots: torch.Tensor, scores: torch.Tensor) -> None:
+        """Tell the observers a per-head top-K: ``[N, Hk, K']`` block indices, -1 where fewer blocks
+        exist. ``kind``: ``current`` (this token's own query) or ``predicted`` (lookahead, for t+1)."""
+        values, blocks = scores.topk(min(self.layout.topk_blocks, scores.shape[-1]), dim=-1)
+        blocks = torch.where(values > float("-inf"), blocks, -1)
+        for observer in self.probes.observers:
+            observer(kind, layer, slots, blocks)
+
+    def notify_current(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                       complete: torch.Tensor) -> None:
+        """Observers see the top-K of this token's own query (scored here, nothing selected)."""
+        if self.probes.observers:
+            self.notify("current", layer, slots,
+                        self.summaries.scores(layer, q, tables, complete.to(torch.int32)))
+
+    def heads(self, rows: int) -> torch.Tensor:
+        return torch.arange(self.layout.num_kv_heads, device=self.device).repeat(rows)
+
+    # ---- accounting ------------------------------------------------------------------------------
+    def decode_read_bytes(self, context_lens: list[int]) -> int:
+        """Device bytes one decode step's attention reads: working-set slots actually attended (at
+        most K full blocks + the local block) plus the summaries of every complete block."""
+        lay, B = self.layout, self.layout.block_size
+        per_token = lay.host_block_bytes // B
+        total = 0
+        for n in context_lens:
+            complete = (n - 1) // B
+            total += (min(complete, lay.topk_blocks) * B + (n - complete * B)) * per_token
+            total += complete * lay.summary_bytes_per_block
+        return total
