@@ -1,7 +1,7 @@
 """SamplingParams: what a request asks of the sampler and of the stopping rules.
 
-``validate()`` raises ``ValueError`` naming the bad field and the allowed range; the engine calls it on
-every request before the request touches any engine state.
+``validate()`` raises ``ValueError`` naming the bad field and the allowed range; the engine calls it
+on every request before the request touches any engine state.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Per-request sampling settings (vLLM / OpenAI semantics).
 
-    temperature 0 means greedy. ``top_k`` <= 0 and ``top_p`` = 1 and ``min_p`` = 0 disable those filters.
-    ``stop`` strings end generation when they appear in the output text (they are not included in it);
-    ``stop_token_ids`` end it on those tokens (the token is kept). ``logprobs`` = N returns the sampled
-    token's logprob plus the top-N alternatives per generated token; ``prompt_logprobs`` = N does the
-    same for prompt tokens (the first prompt token has none).
+    temperature 0 means greedy. ``top_k`` <= 0 and ``top_p`` = 1 and ``min_p`` = 0 disable those
+    filters. ``stop`` strings end generation when they appear in the output text (they are not
+    included in it); ``stop_token_ids`` end it on those tokens (the token is kept). ``logprobs`` = N
+    returns the sampled token's logprob plus the top-N alternatives per generated token;
+    ``prompt_logprobs`` = N does the same for prompt tokens (the first prompt token has none).
     """
     max_tokens: int = 16
     temperature: float = 1.0

@@ -2,7 +2,8 @@
 
 Decode throughput is isolated from prefill by timing ``generate`` twice, with ``out`` and with 1 new
 token: decode tok/s = batch * (out - 1) / (t_out - t_1). The batch is capped (``hf_max_batch``)
-because transformers keeps a contiguous cache per request and runs out of memory long before a paged pool.
+because transformers keeps a contiguous cache per request and runs out of memory long before a
+paged pool.
 """
 from __future__ import annotations
 

@@ -1,20 +1,20 @@
-"""Host -> HBM gather bandwidth of ``gather_blocks`` reading pinned memory through UVA, and how well it
-overlaps model kernels on another stream (GPU only).
+"""Host -> HBM gather bandwidth of ``gather_blocks`` reading pinned memory through UVA, and how well
+it overlaps model kernels on another stream (GPU only).
 
-Run ``python -m oasiskv.bench.uva_gather``. Conditions: a 2 GiB pinned host store in the tiered layout
-``[num_host_blocks, num_layers, Hk, B, D]`` per K and V (bf16, Hk 8, B 16, D 128: 4 KiB per slice), one
-gather of 65,536 random slices (32,768 random (block, kv head) items of one layer, K and V each) into a
-working set. Swept: the grid bound ``num_programs``, ``items_per_iter`` (items in flight per program),
-and the side stream's priority (normal or high), plus one program per item for contrast. Times are
-medians of CUDA-event timings. GB/s counts bytes read from the host; they are printed next to the PCIe
-Gen5 x16 limit (~55 GB/s for one large cudaMemcpy on the H200 here) and next to a large pinned ->
-device ``copy_`` measured in the same run.
+Run ``python -m oasiskv.bench.uva_gather``. Conditions: a 2 GiB pinned host store in the tiered
+layout ``[num_host_blocks, num_layers, Hk, B, D]`` per K and V (bf16, Hk 8, B 16, D 128: 4 KiB per
+slice), one gather of 65,536 random slices (32,768 random (block, kv head) items of one layer, K and
+V each) into a working set. Swept: the grid bound ``num_programs``, ``items_per_iter`` (items in
+flight per program), and the side stream's priority (normal or high), plus one program per item for
+contrast. Times are medians of CUDA-event timings. GB/s counts bytes read from the host; they are
+printed next to the PCIe Gen5 x16 limit (~55 GB/s for one large cudaMemcpy on the H200 here) and
+next to a large pinned -> device ``copy_`` measured in the same run.
 
 Overlap, against two foregrounds on the current stream, each sized to about the gather's time:
-``mm`` (4096^2 bf16 matmuls: compute bound, all SMs) and ``decode`` (a 128-row bf16 linear layer over
-a 4096 x 28672 weight, like a decode step's MLP: memory bound); the gather alone on a side stream,
-and both launched together; overlap = (fg + gather - both) / min(fg, gather), 1 = fully hidden,
-0 = serial, negative = worse than serial. Then the same with cuBLAS told to leave SMs free
+``mm`` (4096^2 bf16 matmuls: compute bound, all SMs) and ``decode`` (a 128-row bf16 linear layer
+over a 4096 x 28672 weight, like a decode step's MLP: memory bound); the gather alone on a side
+stream, and both launched together; overlap = (fg + gather - both) / min(fg, gather), 1 = fully
+hidden, 0 = serial, negative = worse than serial. Then the same with cuBLAS told to leave SMs free
 (``torch._C._set_sm_carveout_experimental``). Prints tables, then one JSON line. Expected about a
 minute on an H200 (mostly pinning and filling the store).
 """
@@ -29,15 +29,16 @@ DTYPE = torch.bfloat16
 HOST_GIB = 2.0            # K and V stores together
 NUM_ITEMS = 32768         # (block, kv head) items per gather: 65,536 slices with K and V
 # (num_programs, items_per_iter, side stream priority: 0 normal, -1 high)
-VARIANTS = ((16, 1, 0), (32, 1, 0), (64, 1, 0), (132, 1, 0), (8, 4, 0), (16, 4, 0), (32, 4, 0), (8, 8, 0),
-            (16, 4, -1), (32, 4, -1), (64, 1, -1))
+VARIANTS = ((16, 1, 0), (32, 1, 0), (64, 1, 0), (132, 1, 0), (8, 4, 0), (16, 4, 0), (32, 4, 0),
+            (8, 8, 0), (16, 4, -1), (32, 4, -1), (64, 1, -1))
 CARVEOUTS = (0, 16, 32)
 PCIE_LIMIT_GBPS = 55.0    # one large cudaMemcpy, PCIe Gen5 x16 (docs: DESIGN section 3.7)
 REPS = 10
 
 
 def _median_ms(fn, stream: torch.cuda.Stream, reps: int = REPS) -> float:
-    """Median over ``reps`` of ``fn`` timed with CUDA events on ``stream`` (one warm-up call first)."""
+    """Median over ``reps`` of ``fn`` timed with CUDA events on ``stream`` (one warm-up call
+    first)."""
     with torch.cuda.stream(stream):
         fn()
         times = []
@@ -52,8 +53,8 @@ def _median_ms(fn, stream: torch.cuda.Stream, reps: int = REPS) -> float:
 
 
 def _together_ms(foreground, background, side: torch.cuda.Stream, reps: int = REPS) -> float:
-    """Median time from launching ``background`` on ``side`` and ``foreground`` on the current stream
-    until both are done."""
+    """Median time from launching ``background`` on ``side`` and ``foreground`` on the current
+    stream until both are done."""
     main = torch.cuda.current_stream()
     times = []
     for _ in range(reps + 1):
@@ -97,13 +98,15 @@ def main() -> None:
     ws_v = torch.zeros_like(ws_k)
     src_block = torch.randint(num_blocks, (NUM_ITEMS,), generator=gen, dtype=torch.int32).to(dev)
     src_head = torch.randint(NUM_KV_HEADS, (NUM_ITEMS,), generator=gen, dtype=torch.int32).to(dev)
-    dst_slot = torch.randperm(num_seqs * slots_per_seq, generator=gen)[:NUM_ITEMS].to(torch.int32).to(dev)
+    dst_slot = (torch.randperm(num_seqs * slots_per_seq, generator=gen)[:NUM_ITEMS]
+                .to(torch.int32).to(dev))
     slice_bytes = BLOCK_SIZE * HEAD_DIM * DTYPE.itemsize
     moved = 2 * NUM_ITEMS * slice_bytes
 
     main_stream = torch.cuda.current_stream()
     big = torch.empty(host_k.shape, dtype=DTYPE, device=dev)
-    copy_ms = _median_ms(lambda: big.copy_(host_k, non_blocking=True), main_stream, reps=5)
+    copy_ms = _median_ms(lambda: big.copy_(host_k, non_blocking=True), main_stream,  # noqa: F821
+                         reps=5)
     copy_gbps = host_k.numel() * host_k.element_size() / copy_ms / 1e6
     del big
 
@@ -116,8 +119,8 @@ def main() -> None:
     unit_ms = {name: _median_ms(unit, main_stream) for name, unit in units.items()}
 
     def gather(programs, items):
-        return lambda: gather_blocks(host_k, host_v, layer, ws_k, ws_v, src_block, src_head, dst_slot,
-                                     num_programs=programs, items_per_iter=items)
+        return lambda: gather_blocks(host_k, host_v, layer, ws_k, ws_v, src_block, src_head,
+                                     dst_slot, num_programs=programs, items_per_iter=items)
 
     def overlap(fg_name, fn, gather_ms, side):
         unit = units[fg_name]
@@ -129,9 +132,9 @@ def main() -> None:
 
     name = torch.cuda.get_device_name()
     print(f"uva gather on {name}: {2 * NUM_ITEMS:,} random slices x {slice_bytes // 1024} KiB "
-          f"({NUM_ITEMS:,} (block, kv head) items, K and V) = {moved / 2**20:.0f} MiB per gather; host store "
-          f"{2 * host_k.numel() * host_k.element_size() / 2**30:.1f} GiB pinned, bf16, Hk {NUM_KV_HEADS}, "
-          f"B {BLOCK_SIZE}, D {HEAD_DIM}")
+          f"({NUM_ITEMS:,} (block, kv head) items, K and V) = {moved / 2**20:.0f} MiB per gather; "
+          f"host store {2 * host_k.numel() * host_k.element_size() / 2**30:.1f} GiB pinned, bf16, "
+          f"Hk {NUM_KV_HEADS}, B {BLOCK_SIZE}, D {HEAD_DIM}")
     print(f"pinned -> device copy_ of {host_k.numel() * host_k.element_size() / 2**30:.1f} GiB: "
           f"{copy_gbps:.1f} GB/s (PCIe Gen5 x16 limit ~{PCIE_LIMIT_GBPS:.0f} GB/s)")
     print(f"{'programs':>8} {'items':>5} {'prio':>5} {'gather ms':>9} {'GB/s':>6} {'%PCIe':>6} "
@@ -142,8 +145,8 @@ def main() -> None:
         fn = gather(programs, items)
         ms = _median_ms(fn, side)
         gbps = moved / ms / 1e6
-        row = {"num_programs": programs, "items_per_iter": items, "priority": priority, "gather_ms": ms,
-               "gbps": gbps}
+        row = {"num_programs": programs, "items_per_iter": items, "priority": priority,
+               "gather_ms": ms, "gbps": gbps}
         cells = []
         for fg_name in units:
             fg_ms, both_ms, ov = overlap(fg_name, fn, ms, side)
@@ -160,7 +163,8 @@ def main() -> None:
     side = torch.cuda.Stream(priority=priority)
     fn = gather(programs, items)
     ms = _median_ms(fn, side)
-    print(f"cuBLAS SM carve-out, gather {programs} programs x {items} items, priority {priority}: fg/both ms, overlap")
+    print(f"cuBLAS SM carve-out, gather {programs} programs x {items} items, "
+          f"priority {priority}: fg/both ms, overlap")
     carve = []
     for carveout in CARVEOUTS:
         torch._C._set_sm_carveout_experimental(carveout or None)
@@ -179,10 +183,11 @@ def main() -> None:
     got = ws_k.view(-1, BLOCK_SIZE, HEAD_DIM)[dst_slot[check].long()].cpu()
     correct = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
     print(f"correct: {correct}")
-    print(json.dumps({"bench": "uva_gather", "device": name, "dtype": "bfloat16", "num_kv_heads": NUM_KV_HEADS,
-                      "block_size": BLOCK_SIZE, "head_dim": HEAD_DIM, "slices": 2 * NUM_ITEMS,
-                      "bytes_per_gather": moved, "copy_gbps": copy_gbps, "pcie_limit_gbps": PCIE_LIMIT_GBPS,
-                      "correct": correct, "results": rows, "carveout": carve}))
+    print(json.dumps({"bench": "uva_gather", "device": name, "dtype": "bfloat16",
+                      "num_kv_heads": NUM_KV_HEADS, "block_size": BLOCK_SIZE, "head_dim": HEAD_DIM,
+                      "slices": 2 * NUM_ITEMS, "bytes_per_gather": moved, "copy_gbps": copy_gbps,
+                      "pcie_limit_gbps": PCIE_LIMIT_GBPS, "correct": correct, "results": rows,
+                      "carveout": carve}))
 
 
 if __name__ == "__main__":

@@ -7,22 +7,23 @@ and r = (max - min) / 2, the score of block b for kv head h and query row n is
 
     score = sum over the G query heads g of kv head h of ( q_g . c + alpha * |q_g| . r )
 
-(|q_g| element-wise): with alpha = 1 this is the Quest upper bound of sum_g q_g . k over every key k in
-the block's box. Because the sum over g is linear, a program folds the G heads first into
+(|q_g| element-wise): with alpha = 1 this is the Quest upper bound of sum_g q_g . k over every key k
+in the block's box. Because the sum over g is linear, a program folds the G heads first into
 ``sum_g q_g`` and ``sum_g |q_g|`` and then needs two D-length dot products per block, no ``tl.dot``.
 
 Kernel grid ``(N, Hk, cdiv(max_blocks, BLOCK_B))``: one program per (row, kv head, tile of BLOCK_B
 consecutive block-table entries). Entries ``b >= num_blocks[n]`` get -inf and neither they nor the
 summaries they would point at are read. Grid depends on shapes only: CUDA-graph capturable.
 
-Does not know: which blocks are resident, the fetch cap, or what a draft query is (``kv/`` owns them).
+Does not know: which blocks are resident, the fetch cap, or what a draft query is (``kv/`` owns
+them).
 """
 import torch
 import triton
 import triton.language as tl
 
-# Block-table entries per program: 32 blocks x 128 dims x (max, min) in fp32 is 32 KiB of registers per
-# program at 4 warps. Untuned.
+# Block-table entries per program: 32 blocks x 128 dims x (max, min) in fp32 is 32 KiB of registers
+# per program at 4 warps. Untuned.
 _BLOCK_B = 32
 _NUM_WARPS = 4
 
@@ -34,7 +35,8 @@ def _block_scores_kernel(
     stride_qn, stride_qh, stride_sb, stride_sh, stride_sr, stride_bt, stride_on, stride_oh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """Scores of block-table entries ``[pid(2) * BLOCK_B, +BLOCK_B)`` of row ``pid(0)``, kv head ``pid(1)``."""
+    """Scores of block-table entries ``[pid(2) * BLOCK_B, +BLOCK_B)`` of row ``pid(0)``, kv head
+    ``pid(1)``."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -42,8 +44,8 @@ def _block_scores_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_b = tile * BLOCK_B + tl.arange(0, BLOCK_B)
 
-    q = tl.load(q_ptr + row * stride_qn + (kv_head * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=(offs_g < G)[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + row * stride_qn + (kv_head * G + offs_g)[:, None] * stride_qh
+                + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0).to(tl.float32)
     q_sum = tl.sum(q, 0)           # sum_g q_g      [HEAD_DIM]
     q_abs = tl.sum(tl.abs(q), 0)   # sum_g |q_g|    [HEAD_DIM]
 
@@ -52,25 +54,28 @@ def _block_scores_kernel(
     host_id = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + offs_b, mask=used, other=0)
     base = summaries_ptr + host_id.to(tl.int64) * stride_sb + kv_head * stride_sh
     hi = tl.load(base[:, None] + offs_d[None, :], mask=used[:, None], other=0.0).to(tl.float32)
-    lo = tl.load(base[:, None] + stride_sr + offs_d[None, :], mask=used[:, None], other=0.0).to(tl.float32)
+    lo = tl.load(base[:, None] + stride_sr + offs_d[None, :], mask=used[:, None],
+                 other=0.0).to(tl.float32)
     center = (hi + lo) * 0.5
     radius = (hi - lo) * 0.5
     score = tl.sum(center * q_sum[None, :] + alpha * (radius * q_abs[None, :]), 1)
     score = tl.where(used, score, float("-inf"))
-    tl.store(out_ptr + row * stride_on + kv_head * stride_oh + offs_b, score, mask=offs_b < max_blocks)
+    tl.store(out_ptr + row * stride_on + kv_head * stride_oh + offs_b, score,
+             mask=offs_b < max_blocks)
 
 
 def block_scores(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
-                 num_blocks: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                 num_blocks: torch.Tensor, alpha: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Summary score of every complete block of every row, per kv head; returns ``out``.
 
     q: ``[N, Hq, D]`` (last-dim stride 1), Hq = G * Hk; query head h belongs to kv head ``h // G``.
     summaries: ``[num_host_blocks, Hk, 2, D]`` (last-dim stride 1, any float dtype; row 0 max, row 1
-    min). block_tables: int32 ``[N, max_blocks]`` (last-dim stride 1), host block id of each of a row's
-    blocks. num_blocks: int32 ``[N]`` in ``0..max_blocks``, complete blocks of each row; only
+    min). block_tables: int32 ``[N, max_blocks]`` (last-dim stride 1), host block id of each of a
+    row's blocks. num_blocks: int32 ``[N]`` in ``0..max_blocks``, complete blocks of each row; only
     ``block_tables[n, :num_blocks[n]]`` and the summaries they name are read. alpha: weight of the
-    radius term (1 = Quest upper bound). out: optional float32 ``[N, Hk, max_blocks]`` (last-dim stride
-    1). Result: ``out[n, h, b]`` = sum over the G heads g of kv head h of
+    radius term (1 = Quest upper bound). out: optional float32 ``[N, Hk, max_blocks]`` (last-dim
+    stride 1). Result: ``out[n, h, b]`` = sum over the G heads g of kv head h of
     ``q_g . c + alpha * |q_g| . r`` for ``b < num_blocks[n]``, -inf past it. fp32 math. D a power of
     two. No host sync; CUDA-graph capturable.
     """
@@ -86,7 +91,8 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.T
     max_blocks = block_tables.shape[1]
     if out is None:
         out = torch.empty((n, num_kv_heads, max_blocks), dtype=torch.float32, device=q.device)
-    assert out.shape == (n, num_kv_heads, max_blocks) and out.dtype == torch.float32 and out.stride(2) == 1
+    assert (out.shape == (n, num_kv_heads, max_blocks) and out.dtype == torch.float32
+            and out.stride(2) == 1)
     if n == 0 or max_blocks == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -105,11 +111,11 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.T
 def topk_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best-scoring blocks per (row, kv head): ``torch.topk`` along the last dim, sorted.
 
-    scores: ``[N, Hk, max_blocks]`` from ``block_scores``; k is clamped to ``max_blocks`` (a shape, so
-    the output shape never depends on values and the call stays CUDA-graph capturable; torch.topk
-    is, and Triton has no top-k primitive worth re-implementing here). Returns (values, indices), each
-    ``[N, Hk, min(k, max_blocks)]``; indices are block-table columns. A row with fewer than k complete
-    blocks gets -inf values at the end, whose indices (columns past ``num_blocks``) are not blocks: the
-    caller must drop entries with value -inf. Ties are broken arbitrarily.
+    scores: ``[N, Hk, max_blocks]`` from ``block_scores``; k is clamped to ``max_blocks`` (a shape,
+    so the output shape never depends on values and the call stays CUDA-graph capturable; torch.topk
+    is, and Triton has no top-k primitive worth re-implementing here). Returns (values, indices),
+    each ``[N, Hk, min(k, max_blocks)]``; indices are block-table columns. A row with fewer than k
+    complete blocks gets -inf values at the end, whose indices (columns past ``num_blocks``) are not
+    blocks: the caller must drop entries with value -inf. Ties are broken arbitrarily.
     """
     return torch.topk(scores, min(k, scores.shape[-1]), dim=-1)

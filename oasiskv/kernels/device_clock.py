@@ -18,7 +18,8 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["sign"])  # one compiled kernel for both signs
 def _clock_kernel(acc_ptr, sign):
-    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                    is_pure=False, pack=1)
     tl.store(acc_ptr, tl.load(acc_ptr) + sign * now)
 
 

@@ -1,4 +1,5 @@
-"""Pick a kernel by device: the Triton implementation for CUDA tensors, its torch reference otherwise.
+"""Pick a kernel by device: the Triton implementation for CUDA tensors, its torch reference
+otherwise.
 
 Triton modules are imported only when a CUDA tensor asks for them, so CPU-only installs never need a
 working Triton. Every name maps to (Triton module, function, reference function) with one signature.

@@ -6,8 +6,9 @@ same rounding: inputs upcast to fp32, results rounded to the input dtype where t
 
 - ``rms_norm(x, weight, eps, residual=None)``: ``[T, H]``; with ``residual`` first forms
   ``s = round(x + residual)`` and returns ``(norm(s), s)``.
-- ``qk_norm_rope(q, k, positions, cos_sin, q_weight, k_weight, eps)``: in place on ``q [T, Hq, D]`` and
-  ``k [T, Hk, D]`` (views with last-dim stride 1): optional per-head RMSNorm, then rotate-half RoPE.
+- ``qk_norm_rope(q, k, positions, cos_sin, q_weight, k_weight, eps)``: in place on ``q [T, Hq, D]``
+  and ``k [T, Hk, D]`` (views with last-dim stride 1): optional per-head RMSNorm, then rotate-half
+  RoPE.
 - ``silu_mul(gate_up)``: ``[T, 2I] -> [T, I]``, ``silu(gate) * up``.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                     n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -35,16 +36,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm of ``x [T, H]`` (or of ``x + residual``); see the module docstring for the contract."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """RMSNorm of ``x [T, H]`` (or of ``x + residual``); see the module docstring for the
+    contract."""
     assert x.dim() == 2 and x.stride(1) == 1
     rows, cols = x.shape
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else out
     if rows:
         _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, res_out,
-                                  x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-                                  cols, eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(cols),
+                                  x.stride(0), residual.stride(0) if residual is not None else 0,
+                                  out.stride(0), cols, eps, HAS_RES=residual is not None,
+                                  BLOCK=triton.next_power_of_2(cols),
                                   num_warps=4 if cols <= 2048 else 8)
     return out if residual is None else (out, res_out)
 
@@ -68,8 +72,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, str
     if HAS_NORM:  # HF order: normalize, round to the model dtype, scale by the weight, round again
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
         dt = q_ptr.dtype.element_ty
-        x1 = ((x1 * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + offs).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = ((x2 * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + HALF + offs).to(tl.float32)).to(dt).to(tl.float32)
+        x1 = ((x1 * rstd).to(dt).to(tl.float32)
+              * tl.load(w_ptr + offs).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32)
+              * tl.load(w_ptr + HALF + offs).to(tl.float32)).to(dt).to(tl.float32)
     pos = tl.load(pos_ptr + t)
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs)
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs)
@@ -85,7 +91,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     cos_sin fp32 ``[max_pos, D]`` (cos of the D/2 frequencies, then sin).
     """
     tokens, num_q_heads, head_dim = q.shape
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.is_contiguous() and cos_sin.dtype == torch.float32
+    assert (q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.is_contiguous()
+            and cos_sin.dtype == torch.float32)
     if not tokens:
         return
     has_norm = q_weight is not None
@@ -114,6 +121,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(width // 2))
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, gate_up.stride(0), width // 2,
-                                                                 BLOCK=block)
+        _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, gate_up.stride(0),
+                                                                 width // 2, BLOCK=block)
     return out

@@ -1,15 +1,16 @@
-"""Triton split-K paged attention for decode: one query token per sequence (``paged_decode_attention``).
+"""Triton split-K paged attention for decode: one query token per sequence
+(``paged_decode_attention``).
 
-Kernel 1 (``_decode_split_kernel``), grid ``(B, num_kv_heads, num_splits)``: a program owns the G query
-heads of one kv head and a run of ``blocks_per_split`` consecutive KV blocks of one sequence, so each K/V
-tile is loaded once for all G heads (heads padded to 16 rows for ``tl.dot``). It runs an online softmax
-in fp32 over its blocks and, with one split, writes the normalized output directly; with several it
-writes a partial (running max, sum of exps, unnormalized accumulator) to a workspace, and kernel 2
-(``_decode_reduce_kernel``), grid ``(B, num_q_heads)``, merges the partials. The grid and workspace
-depend only on tensor shapes, never on values, so the call is CUDA-graph capturable. By default each
-row divides *its own* context into ``num_splits`` runs (a row much shorter than the block table's width
-still uses every split); a fixed ``blocks_per_split`` can be forced instead. Splits past a sequence's
-end write a neutral partial (max=-inf, sum=0, acc=0).
+Kernel 1 (``_decode_split_kernel``), grid ``(B, num_kv_heads, num_splits)``: a program owns the G
+query heads of one kv head and a run of ``blocks_per_split`` consecutive KV blocks of one sequence,
+so each K/V tile is loaded once for all G heads (heads padded to 16 rows for ``tl.dot``). It runs an
+online softmax in fp32 over its blocks and, with one split, writes the normalized output directly;
+with several it writes a partial (running max, sum of exps, unnormalized accumulator) to a
+workspace, and kernel 2 (``_decode_reduce_kernel``), grid ``(B, num_q_heads)``, merges the partials.
+The grid and workspace depend only on tensor shapes, never on values, so the call is CUDA-graph
+capturable. By default each row divides *its own* context into ``num_splits`` runs (a row much
+shorter than the block table's width still uses every split); a fixed ``blocks_per_split`` can be
+forced instead. Splits past a sequence's end write a neutral partial (max=-inf, sum=0, acc=0).
 """
 import torch
 import triton
@@ -23,9 +24,9 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
-# H200, before the first compile). The split count fills whole waves (a last, partly empty wave idles
-# SMs), never splits a sequence into pieces shorter than _MIN_TOKENS_PER_SPLIT nor into more than
-# _MAX_SPLITS.
+# H200, before the first compile). The split count fills whole waves (a last, partly empty wave
+# idles SMs), never splits a sequence into pieces shorter than _MIN_TOKENS_PER_SPLIT nor into more
+# than _MAX_SPLITS.
 _DEFAULT_WAVE = 512
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 64
@@ -33,17 +34,18 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def _load_q(q_ptr, q_rows, stride_qb, stride_qh, q_heads, g_mask, offs_d):
-    """Query head ``q_heads[g]`` of row ``q_rows[g]`` for each of the BLOCK_G program rows, as float32
-    ``[BLOCK_G, HEAD_DIM]`` (masked rows 0)."""
-    return tl.load(q_ptr + q_rows[:, None].to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
-                   mask=g_mask[:, None], other=0.0).to(tl.float32)
+    """Query head ``q_heads[g]`` of row ``q_rows[g]`` for each of the BLOCK_G program rows, as
+    float32 ``[BLOCK_G, HEAD_DIM]`` (masked rows 0)."""
+    return tl.load(q_ptr + q_rows[:, None].to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh
+                   + offs_d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
     """One tile of online softmax in the log2 domain: scores ``q @ kt`` (``[BLOCK_G, TILE]``, -inf
-    where not ``valid``) -> (p, alpha, m_new, l_new); the caller rescales its accumulator by alpha and
-    adds ``p @ v``. While no valid token has been seen (m_new = -inf) exp2 is kept away from NaN."""
+    where not ``valid``) -> (p, alpha, m_new, l_new); the caller rescales its accumulator by alpha
+    and adds ``p @ v``. While no valid token has been seen (m_new = -inf) exp2 is kept away
+    from NaN."""
     s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -57,14 +59,14 @@ def _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr)
 def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, o_rows, split, num_splits,
                  num_q_heads, q_heads, g_mask, offs_d, stride_ob, stride_oh,
                  HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
-    """For program row g (query head ``q_heads[g]`` of output row ``o_rows[g]``), DIRECT (one split):
-    normalise and write ``out``; else write the split's partial (m, l, acc) to the workspace
+    """For program row g (query head ``q_heads[g]`` of output row ``o_rows[g]``), DIRECT (one
+    split): normalise and write ``out``; else write the split's partial (m, l, acc) to the workspace
     ``[rows, num_q_heads, num_splits]`` for ``_decode_reduce_kernel``."""
     o_rows = o_rows.to(tl.int64)
     if DIRECT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + o_rows[:, None] * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(out_ptr + o_rows[:, None] * stride_ob + q_heads[:, None] * stride_oh
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         ws = (o_rows * num_q_heads + q_heads) * num_splits + split
         tl.store(m_ws_ptr + ws, m_i, mask=g_mask)
@@ -85,8 +87,9 @@ def _decode_split_kernel(
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
 
-    ``qk_scale`` is ``scale * log2(e)``: scores live in the log2 domain (``exp2``), partial maxima too.
-    Workspace (only read when not DIRECT): m/l ``[B, num_q_heads, num_splits]``, acc ``[..., HEAD_DIM]``.
+    ``qk_scale`` is ``scale * log2(e)``: scores live in the log2 domain (``exp2``), partial maxima
+    too. Workspace (only read when not DIRECT): m/l ``[B, num_q_heads, num_splits]``, acc
+    ``[..., HEAD_DIM]``.
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,7 +109,8 @@ def _decode_split_kernel(
 
     ctx_len = tl.load(context_lens_ptr + row)
     ctx_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
-    if blocks_per_split <= 0:  # per row: this row's blocks over all splits, whole tiles, >= MIN_BLOCKS
+    # per row: this row's blocks over all splits, whole tiles, >= MIN_BLOCKS
+    if blocks_per_split <= 0:
         per_split = tl.cdiv(tl.cdiv(ctx_blocks, num_splits), BLOCKS_PER_ITER) * BLOCKS_PER_ITER
         blocks_per_split = tl.maximum(per_split, MIN_BLOCKS)
     blk_start = split * blocks_per_split
@@ -125,14 +129,17 @@ def _decode_split_kernel(
         valid = blk_ok & (blk * BLOCK_SIZE + tile_off < ctx_len)
         block_base = tl.load(bt_row + blk, mask=blk_ok, other=0).to(tl.int64) * stride_cb
 
-        kt = tl.load(k_cache_ptr + block_base[None, :] + kt_in_block, mask=valid[None, :], other=0.0)
+        kt = tl.load(k_cache_ptr + block_base[None, :] + kt_in_block, mask=valid[None, :],
+                     other=0.0)
         p, alpha, m_new, l_i = _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION)
-        v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None],
+                    other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
     _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits,
-                 tl.num_programs(1) * G, q_heads, g_mask, offs_d, stride_ob, stride_oh, HEAD_DIM, DIRECT)
+                 tl.num_programs(1) * G, q_heads, g_mask, offs_d, stride_ob, stride_oh, HEAD_DIM,
+                 DIRECT)
 
 
 @triton.jit
@@ -156,9 +163,11 @@ def _decode_reduce_kernel(
     w = tl.exp2(m - m_max)
     denom = tl.sum(w * l, 0)
     used = s_mask & (l > 0)
-    acc = tl.load(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None], other=0.0)
+    acc = tl.load(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None],
+                  other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty))
 
 
 def _blocks_per_iter(block_size: int) -> int:
@@ -169,11 +178,11 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_siz
                        wave: int = _DEFAULT_WAVE) -> int:
     """Split-K factor from shapes only (so a captured graph keeps one grid).
 
-    The smallest split count s whose ``batch * num_kv_heads * s`` programs fill their waves of ``wave``
-    programs at least 95% (else the best fill found), with s <= ``max_blocks * block_size //
-    _MIN_TOKENS_PER_SPLIT`` and <= ``_MAX_SPLITS``. With 8 kv heads and a 512-program wave: batch 64
-    -> 1, 32 -> 2, 48 -> 4, 24 -> 8, 1 with a 32K table -> 61. Each row divides its own context over
-    the splits, so tables wider than the contexts waste no programs.
+    The smallest split count s whose ``batch * num_kv_heads * s`` programs fill their waves of
+    ``wave`` programs at least 95% (else the best fill found), with s <=
+    ``max_blocks * block_size // _MIN_TOKENS_PER_SPLIT`` and <= ``_MAX_SPLITS``. With 8 kv heads and
+    a 512-program wave: batch 64 -> 1, 32 -> 2, 48 -> 4, 24 -> 8, 1 with a 32K table -> 61. Each row
+    divides its own context over the splits, so tables wider than the contexts waste no programs.
     """
     base = max(1, batch * num_kv_heads)
     limit = max(1, min(max_blocks * block_size // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
@@ -192,7 +201,8 @@ _waves: dict[tuple, int] = {}
 
 
 def _wave_size(compiled, device: torch.device) -> int | None:
-    """Programs of ``compiled`` resident at once on the whole GPU, from its registers / shared memory."""
+    """Programs of ``compiled`` resident at once on the whole GPU, from its registers / shared
+    memory."""
     n_regs = getattr(compiled, "n_regs", None)
     if not n_regs:
         return None
@@ -206,21 +216,23 @@ def _wave_size(compiled, device: torch.device) -> int | None:
     return max(1, per_sm) * props.multi_processor_count
 
 
-def split_workspace(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_workspace(out: torch.Tensor,
+                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(m, l, acc) partial buffers for ``out`` ``[rows, Hq, D]`` split ``num_splits`` ways: float32
-    ``[rows, Hq, num_splits]`` twice and ``[rows, Hq, num_splits, D]``. With one split the kernel writes
-    ``out`` directly and never reads them: ``out`` stands in for all three."""
+    ``[rows, Hq, num_splits]`` twice and ``[rows, Hq, num_splits, D]``. With one split the kernel
+    writes ``out`` directly and never reads them: ``out`` stands in for all three."""
     if num_splits == 1:
         return out, out, out
     rows, heads, head_dim = out.shape
     m_ws = torch.empty((rows, heads, num_splits), dtype=torch.float32, device=out.device)
-    return m_ws, torch.empty_like(m_ws), torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
-                                                     device=out.device)
+    return m_ws, torch.empty_like(m_ws), torch.empty((rows, heads, num_splits, head_dim),
+                                                     dtype=torch.float32, device=out.device)
 
 
 def merge_splits(workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor,
                  num_splits: int) -> None:
-    """Merge the partials of ``split_workspace(out, num_splits)`` into ``out`` (nothing for one split)."""
+    """Merge the partials of ``split_workspace(out, num_splits)`` into ``out`` (nothing for one
+    split)."""
     if num_splits == 1:
         return
     rows, heads, head_dim = out.shape
@@ -237,16 +249,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its paged KV cache; returns ``out``.
 
-    q: ``[B, num_q_heads, head_dim]`` (last-dim stride 1), num_q_heads = G * num_kv_heads; query head
-    ``h`` attends kv head ``h // G``. k_cache, v_cache: contiguous
-    ``[num_blocks, num_kv_heads, block_size, head_dim]``; head_dim and block_size powers of two >= 16.
-    block_tables: int32 ``[B, max_blocks]``; only its first ``ceil(context_lens[b] / block_size)``
-    entries of row b are read. context_lens: int32 ``[B]``, each <= max_blocks * block_size; rows with 0
-    get zeros. scale: softmax scale. out: optional ``[B, num_q_heads, head_dim]`` to write into,
-    else allocated with q's dtype. Splits: by default ``default_num_splits`` (from the measured wave
-    size), each row dividing its own context among them; ``num_splits`` forces the count (still per
-    row); ``blocks_per_split`` forces that many KV blocks per split instead. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run
-    as tf32 (exact for the 16-bit Q.K products; softmax weights are rounded to tf32 for P.V), with an
+    q: ``[B, num_q_heads, head_dim]`` (last-dim stride 1), num_q_heads = G * num_kv_heads; query
+    head ``h`` attends kv head ``h // G``. k_cache, v_cache: contiguous
+    ``[num_blocks, num_kv_heads, block_size, head_dim]``; head_dim and block_size powers of two
+    >= 16. block_tables: int32 ``[B, max_blocks]``; only its first
+    ``ceil(context_lens[b] / block_size)`` entries of row b are read. context_lens: int32 ``[B]``,
+    each <= max_blocks * block_size; rows with 0 get zeros. scale: softmax scale. out: optional
+    ``[B, num_q_heads, head_dim]`` to write into, else allocated with q's dtype. Splits: by default
+    ``default_num_splits`` (from the measured wave size), each row dividing its own context among
+    them; ``num_splits`` forces the count (still per row); ``blocks_per_split`` forces that many KV
+    blocks per split instead. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run as
+    tf32 (exact for the 16-bit Q.K products; softmax weights are rounded to tf32 for P.V), with an
     fp32 q or cache as IEEE fp32. No host sync; CUDA-graph capturable.
     """
     batch, num_q_heads, head_dim = q.shape
@@ -255,10 +268,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert cache_dim == head_dim and num_q_heads % num_kv_heads == 0, (
         f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
-    assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        "head_dim must be a power of two >= 16")
+    assert block_size >= 16 and block_size & (block_size - 1) == 0, (
+        "block_size must be a power of two >= 16")
     assert q.stride(2) == 1 and block_tables.stride(1) == 1
-    assert block_tables.dim() == 2 and block_tables.shape[0] == batch and context_lens.shape == (batch,)
+    assert (block_tables.dim() == 2 and block_tables.shape[0] == batch
+            and context_lens.shape == (batch,))
     context_lens = context_lens.contiguous()  # 1-D index arrays are read as packed
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -271,7 +287,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if blocks_per_split is None:
         num_splits = num_splits or default_num_splits(batch, num_kv_heads, max_blocks, block_size,
                                                       _waves.get(key, _DEFAULT_WAVE))
-        blocks_per_split = max_blocks if num_splits == 1 else 0  # 0: each row splits its own context
+        # 0: each row splits its own context
+        blocks_per_split = max_blocks if num_splits == 1 else 0
     else:
         assert blocks_per_split >= 1
         num_splits = max(1, triton.cdiv(max_blocks, blocks_per_split))
@@ -288,7 +305,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCKS_PER_ITER=_blocks_per_iter(block_size),
-        MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32",
+        MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if key not in _waves and q.is_cuda:

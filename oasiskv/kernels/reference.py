@@ -1,6 +1,6 @@
-"""Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``, ``fused_ops``,
-and the sparse path: ``sparse_decode``, ``block_scores``, ``uva_gather``, ``summaries``,
-``select_blocks``, ``wait_ready``, ``device_clock``).
+"""Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``,
+``fused_ops``, and the sparse path: ``sparse_decode``, ``block_scores``, ``uva_gather``,
+``summaries``, ``select_blocks``, ``wait_ready``, ``device_clock``).
 
 Same signatures and semantics as the kernels; math in fp32. The engine uses them on CPU, so they are
 vectorized over the batch (they do sync the host, e.g. on ``context_lens.max()``, so they are not
@@ -13,10 +13,11 @@ import torch
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Write ``k[i]``/``v[i]`` (``[N, num_kv_heads, head_dim]``) into cache slot ``slot_mapping[i]``.
+    """Write ``k[i]``/``v[i]`` (``[N, num_kv_heads, head_dim]``) into cache slot
+    ``slot_mapping[i]``.
 
-    Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (or strided views of that shape, e.g. a
-    layer of the host store), written in place with values cast to their dtype; slot =
+    Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (or strided views of that shape,
+    e.g. a layer of the host store), written in place with values cast to their dtype; slot =
     ``block_id * block_size + offset``; negative slots are skipped.
     """
     block_size = k_cache.shape[2]
@@ -36,9 +37,9 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q: ``[B, num_q_heads, head_dim]``; query head h attends kv head ``h // G``. Caches:
     ``[num_blocks, num_kv_heads, block_size, head_dim]``. block_tables: ``[B, max_blocks]``, entries
-    past a row's ``ceil(context_lens[b] / block_size)`` blocks are never used. context_lens: ``[B]``;
-    rows with 0 give zeros. out: optional ``[B, num_q_heads, head_dim]`` target, else a new tensor of
-    q's dtype. blocks_per_split is accepted for signature parity and ignored.
+    past a row's ``ceil(context_lens[b] / block_size)`` blocks are never used. context_lens:
+    ``[B]``; rows with 0 give zeros. out: optional ``[B, num_q_heads, head_dim]`` target, else a new
+    tensor of q's dtype. blocks_per_split is accepted for signature parity and ignored.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -52,12 +53,14 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     n_blk = -(-max_len // block_size)
     col = torch.arange(n_blk, device=q.device)
-    ids = torch.where(col < (lens[:, None] + block_size - 1) // block_size, block_tables[:, :n_blk].long(), 0)
+    ids = torch.where(col < (lens[:, None] + block_size - 1) // block_size,
+                      block_tables[:, :n_blk].long(), 0)
     tokens = n_blk * block_size
     # [B, n_blk, H, bs, D] -> [B, H, T, D]
     k = k_cache[ids].transpose(1, 2).reshape(batch, num_kv_heads, tokens, head_dim).float()
     v = v_cache[ids].transpose(1, 2).reshape(batch, num_kv_heads, tokens, head_dim).float()
-    valid = (torch.arange(tokens, device=q.device) < lens[:, None])[:, None, :, None]  # [B, 1, T, 1]
+    # [B, 1, T, 1]
+    valid = (torch.arange(tokens, device=q.device) < lens[:, None])[:, None, :, None]
     k = k.masked_fill(~valid, 0.0)
     v = v.masked_fill(~valid, 0.0)
 
@@ -69,7 +72,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
     """Torch twin of ``fused_ops.rms_norm`` (same rounding points as the HF models)."""
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
@@ -79,8 +83,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return out if residual is None else (out, x)
 
 
-def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     cos_sin: torch.Tensor, q_weight: torch.Tensor | None,
+                     k_weight: torch.Tensor | None, eps: float) -> None:
     """Torch twin of ``fused_ops.qk_norm_rope`` (in place on q and k)."""
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
     for x, w in ((q, q_weight), (k, k_weight)):
@@ -92,26 +97,28 @@ def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """Torch twin of ``fused_ops.silu_mul``."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate.float()).to(gate.dtype).float() * up.float()).to(gate.dtype)
+    return (torch.nn.functional.silu(gate.float()).to(gate.dtype).float()
+            * up.float()).to(gate.dtype)
 
 
 # ---------------------------------------------------------------- sparse (tiered-KV) decode path
 
 
-def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor, ws_map: torch.Tensor,
-                      seq_slots: torch.Tensor, local_lens: torch.Tensor, scale: float,
-                      out: torch.Tensor | None = None, num_splits: int | None = None,
+def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
+                      ws_map: torch.Tensor, seq_slots: torch.Tensor, local_lens: torch.Tensor,
+                      scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                       draft_rows: torch.Tensor | None = None, extra_k: torch.Tensor | None = None,
                       extra_v: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention over per-head working sets, as ``sparse_decode_attention``; returns ``out``.
+    """Decode attention over per-head working sets, as ``sparse_decode_attention``; returns
+    ``out``.
 
     q: ``[Nq, Hq, D]``; query head h attends kv head ``h // G``. ws_k, ws_v: ``[S, Hk, W, B, D]``.
-    ws_map: ``[S, Hk, W]``, -1 = empty slot. seq_slots: ``[N]``, -1 = padding row. local_lens: ``[N]``.
-    Row n, kv head h attends the B tokens of every slot ``j < W-1`` with ``ws_map[s, h, j] >= 0`` and
-    the first ``local_lens[n]`` tokens of slot W-1; rows with nothing to attend give zeros.
-    draft_rows ``[N]`` (q row of row n's draft, -1 none): a draft row attends what its row attends plus
-    its own ``extra_k/extra_v`` ``[Nq, Hk, D]`` entry (nothing for a padding row's draft). num_splits
-    is accepted for signature parity and ignored.
+    ws_map: ``[S, Hk, W]``, -1 = empty slot. seq_slots: ``[N]``, -1 = padding row. local_lens:
+    ``[N]``. Row n, kv head h attends the B tokens of every slot ``j < W-1`` with
+    ``ws_map[s, h, j] >= 0`` and the first ``local_lens[n]`` tokens of slot W-1; rows with nothing
+    to attend give zeros. draft_rows ``[N]`` (q row of row n's draft, -1 none): a draft row attends
+    what its row attends plus its own ``extra_k/extra_v`` ``[Nq, Hk, D]`` entry (nothing for a
+    padding row's draft). num_splits is accepted for signature parity and ignored.
     """
     num_rows, num_q_heads, head_dim = q.shape
     n = seq_slots.shape[0]
@@ -132,7 +139,8 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor, w
     rows = seq.clamp(min=0)
     slot_ok = ws_map[rows] >= 0  # [Nq, Hk, W]; the local slot's entry is replaced below
     tok_ok = slot_ok[..., None].expand(-1, -1, -1, block_size).clone()  # [Nq, Hk, W, B]
-    local_ok = torch.arange(block_size, device=q.device) < local_lens.long()[owner][:, None]  # [Nq, B]
+    # [Nq, B]
+    local_ok = torch.arange(block_size, device=q.device) < local_lens.long()[owner][:, None]
     tok_ok[:, :, num_slots - 1] = local_ok[:, None, :]
     tokens = num_slots * block_size
     valid = (tok_ok & (seq >= 0)[:, None, None, None]).reshape(num_rows, num_kv_heads, tokens)
@@ -153,11 +161,12 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor, w
 
 
 def block_scores_ref(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
-                     num_blocks: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     num_blocks: torch.Tensor, alpha: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Summary scores, as ``block_scores``: float32 ``[N, Hk, max_blocks]``; returns ``out``.
 
-    ``out[n, h, b]`` = sum over the G query heads g of kv head h of ``q_g . c + alpha * |q_g| . r`` with
-    c, r the center and radius of ``summaries[block_tables[n, b], h]`` (rows max, min), for
+    ``out[n, h, b]`` = sum over the G query heads g of kv head h of ``q_g . c + alpha * |q_g| . r``
+    with c, r the center and radius of ``summaries[block_tables[n, b], h]`` (rows max, min), for
     ``b < num_blocks[n]``; -inf past it (those table entries are not used).
     """
     n, num_q_heads, head_dim = q.shape
@@ -171,53 +180,59 @@ def block_scores_ref(q: torch.Tensor, summaries: torch.Tensor, block_tables: tor
     center, radius = (box[..., 0, :] + box[..., 1, :]) / 2, (box[..., 0, :] - box[..., 1, :]) / 2
     qf = q.float().reshape(n, num_kv_heads, -1, head_dim)
     q_sum, q_abs = qf.sum(2), qf.abs().sum(2)  # [N, Hk, D]
-    scores = torch.einsum("nhd,nbhd->nhb", q_sum, center) + alpha * torch.einsum("nhd,nbhd->nhb", q_abs, radius)
+    scores = (torch.einsum("nhd,nbhd->nhb", q_sum, center)
+              + alpha * torch.einsum("nhd,nbhd->nhb", q_abs, radius))
     out.copy_(scores.masked_fill(~used[:, None, :], float("-inf")))
     return out
 
 
 def gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: torch.Tensor,
                       ws_v: torch.Tensor, src_block: torch.Tensor, src_head: torch.Tensor,
-                      dst_slot: torch.Tensor, num_programs: int = 64, items_per_iter: int = 1) -> None:
-    """Copy ``host[src_block[i], layer, src_head[i]]`` (``[B, D]``) into slot ``dst_slot[i]`` of the working
-    set flattened as ``[S * Hk * W, B, D]``, K and V, as ``gather_blocks``; items with a negative
-    ``src_block`` are skipped. Host and working set may live on different devices. num_programs and
-    items_per_iter are accepted for signature parity and ignored.
+                      dst_slot: torch.Tensor, num_programs: int = 64,
+                      items_per_iter: int = 1) -> None:
+    """Copy ``host[src_block[i], layer, src_head[i]]`` (``[B, D]``) into slot ``dst_slot[i]`` of the
+    working set flattened as ``[S * Hk * W, B, D]``, K and V, as ``gather_blocks``; items with a
+    negative ``src_block`` are skipped. Host and working set may live on different devices.
+    num_programs and items_per_iter are accepted for signature parity and ignored.
     """
     block_size, head_dim = host_k.shape[-2:]
     keep = src_block >= 0
     for host, ws in ((host_k, ws_k), (host_v, ws_v)):
-        src = host[src_block[keep].long().to(host.device), layer, src_head[keep].long().to(host.device)]
-        ws.view(-1, block_size, head_dim)[dst_slot[keep].long().to(ws.device)] = src.to(ws.device, ws.dtype)
+        src = host[src_block[keep].long().to(host.device), layer,
+                   src_head[keep].long().to(host.device)]
+        ws.view(-1, block_size, head_dim)[dst_slot[keep].long().to(ws.device)] = \
+            src.to(ws.device, ws.dtype)
 
 
-def wait_ready_ref(done: torch.Tensor, target: torch.Tensor, timed_out: torch.Tensor, max_polls: int) -> None:
-    """As ``wait_ready`` where nothing runs concurrently: ``done`` cannot advance while this waits, so it
-    either holds already or the wait times out (``timed_out[0] = 1``)."""
+def wait_ready_ref(done: torch.Tensor, target: torch.Tensor, timed_out: torch.Tensor,
+                   max_polls: int) -> None:
+    """As ``wait_ready`` where nothing runs concurrently: ``done`` cannot advance while this waits,
+    so it either holds already or the wait times out (``timed_out[0] = 1``)."""
     if done.item() < target.item():
         timed_out.fill_(1)
 
 
 def clock_add_ref(acc: torch.Tensor, sign: int) -> None:
-    """As ``clock_add`` with the host clock (ns): on CPU tensors work is done when issued, so a pair of
-    marks around it times it."""
+    """As ``clock_add`` with the host clock (ns): on CPU tensors work is done when issued, so a pair
+    of marks around it times it."""
     assert acc.dtype == torch.int64 and acc.numel() == 1 and sign in (-1, 1)
     acc += sign * time.perf_counter_ns()
 
 
-def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summaries: torch.Tensor,
-                     dst_block: torch.Tensor, dst_head: torch.Tensor,
+def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor,
+                     summaries: torch.Tensor, dst_block: torch.Tensor, dst_head: torch.Tensor,
                      num_tokens: torch.Tensor | None = None) -> None:
-    """Element-wise max (row 0) and min (row 1) over the tokens of ``src[idx0[i], idx1[i]]`` (``[B, D]``)
-    into ``summaries[dst_block[i], dst_head[i]]``, as ``block_minmax``; items with a negative
-    ``dst_block`` (or ``num_tokens[i] == 0``) are skipped; only the first ``num_tokens[i]`` tokens count
-    when given. src and summaries may live on different devices.
+    """Element-wise max (row 0) and min (row 1) over the tokens of ``src[idx0[i], idx1[i]]``
+    (``[B, D]``) into ``summaries[dst_block[i], dst_head[i]]``, as ``block_minmax``; items with a
+    negative ``dst_block`` (or ``num_tokens[i] == 0``) are skipped; only the first ``num_tokens[i]``
+    tokens count when given. src and summaries may live on different devices.
     """
     block_size = src.shape[2]
     keep = dst_block >= 0
     if num_tokens is not None:
         keep &= num_tokens > 0
-    blocks = src[idx0[keep].long().to(src.device), idx1[keep].long().to(src.device)].float()  # [m, B, D]
+    # [m, B, D]
+    blocks = src[idx0[keep].long().to(src.device), idx1[keep].long().to(src.device)].float()
     blocks = blocks.to(summaries.device)
     if num_tokens is None:
         hi, lo = blocks.amax(1), blocks.amin(1)
@@ -230,18 +245,21 @@ def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, 
     summaries[dst] = torch.stack([hi, lo], dim=1).to(summaries.dtype)
 
 
-def select_blocks_ref(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor, slots: torch.Tensor,
-                      block_tables: torch.Tensor, k: int, cap: int, now: torch.Tensor,
+def select_blocks_ref(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor,
+                      slots: torch.Tensor, block_tables: torch.Tensor, k: int, cap: int,
+                      now: torch.Tensor,
                       counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Capped selection for rows ``slots``, as ``select_blocks``: ``kv.selection.plan_selection`` on
     per-row copies of the tables, written back; returns (host block ids, slots) ``[N, Hk, cap]``, -1
-    past the admitted blocks; adds hits, misses, admitted to ``counters[:3]``. ``scores`` is left as is."""
+    past the admitted blocks; adds hits, misses, admitted to ``counters[:3]``. ``scores`` is left
+    as is."""
     from oasiskv.kv.selection import plan_selection  # the policy's specification
     slots = slots.long()
     map_rows, last_rows = ws_map[slots, :, :k], ws_last[slots]
     sel = plan_selection(scores, map_rows, last_rows, k, cap, now)
     ws_map[slots, :, :k] = map_rows
     ws_last[slots] = last_rows
-    host_ids = block_tables.long().gather(1, sel.src_block.clamp(min=0).flatten(1)).view_as(sel.src_block)
+    host_ids = (block_tables.long().gather(1, sel.src_block.clamp(min=0).flatten(1))
+                .view_as(sel.src_block))
     counters[:3] += torch.stack([sel.hits, sel.misses, sel.admitted])
     return torch.where(sel.src_block >= 0, host_ids, -1), sel.dst_slot

@@ -7,10 +7,10 @@ an empty slot or else the least recently selected slot that holds no wanted bloc
 all of it in one launch instead of some 80 small torch kernels per layer.
 
 Per program, with the row's M scores in registers:
-1. top-K without sorting: scores map to int32 keys with the same order, a 33-step bisection finds the
-   K-th largest key T, and ties at T go to the lowest block indices (cumsum);
-2. the scores row (a scratch the caller hands over) is rewritten to keep only wanted blocks, so the K
-   slots can look their blocks up with a gather load; hits are then erased from it too, leaving
+1. top-K without sorting: scores map to int32 keys with the same order, a 33-step bisection finds
+   the K-th largest key T, and ties at T go to the lowest block indices (cumsum);
+2. the scores row (a scratch the caller hands over) is rewritten to keep only wanted blocks, so the
+   K slots can look their blocks up with a gather load; hits are then erased from it too, leaving
    exactly the misses;
 3. ``cap`` rounds of (best remaining miss, least recently selected free slot) admit the misses;
 4. the slot tables are written back, the admitted blocks' host ids (from the block table) and slots
@@ -33,8 +33,10 @@ def _select_kernel(
     scores_ptr, ws_map_ptr, ws_last_ptr, slots_ptr, block_tables_ptr, now_ptr, counters_ptr,
     src_ptr, dst_ptr,
     num_blocks, k, cap,
-    stride_sn, stride_sh, stride_ms, stride_mh, stride_ls, stride_lh, stride_bt, stride_on, stride_oh,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EMPTY_FIRST: tl.constexpr, PROTECTED: tl.constexpr,
+    stride_sn, stride_sh, stride_ms, stride_mh, stride_ls, stride_lh,
+    stride_bt, stride_on, stride_oh,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    EMPTY_FIRST: tl.constexpr, PROTECTED: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -49,7 +51,8 @@ def _select_kernel(
     s = tl.load(score_row + offs_m, mask=m_mask, other=float("-inf"))
     valid = s > float("-inf")
     bits = s.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative float's magnitude bits flipped: float order
+    # a negative float's magnitude bits flipped: float order
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = tl.where(valid, key, -2147483648)
     lo = tl.full((), -2147483648, tl.int64)
     hi = tl.full((), 2147483647, tl.int64)
@@ -107,10 +110,12 @@ def _select_kernel(
     tl.atomic_add(counters_ptr + 2, tl.minimum(num_misses, cap).to(tl.int64))
 
 
-def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor, slots: torch.Tensor,
-                  block_tables: torch.Tensor, k: int, cap: int, now: torch.Tensor,
+def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor,
+                  slots: torch.Tensor, block_tables: torch.Tensor, k: int, cap: int,
+                  now: torch.Tensor,
                   counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plan one layer's capped selection for rows ``slots`` and update the residency tables in place.
+    """Plan one layer's capped selection for rows ``slots`` and update the residency tables in
+    place.
 
     scores: float32 ``[N, Hk, M]`` (last-dim stride 1), -inf for blocks that do not exist; used as
     scratch (overwritten). ws_map: int32 ``[S, Hk, W]``, W >= k, logical block per slot (-1 empty;
@@ -118,18 +123,20 @@ def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Ten
     slots: ``[N]`` sequence slot of each row, distinct, except rows whose scores are all -inf (graph
     padding): those write their slot's tables back as they read them, so they may share a slot only
     with each other. block_tables: int32 ``[N, >= M]`` (last-dim stride 1) host block id of each
-    logical block. now: int64
-    0-d device tensor, the step's stamp. counters: int64 ``[>= 3]``; hits, misses and admitted blocks
-    (summed over rows and heads) are added to entries 0-2. Returns (src_block, dst_slot), int64
-    ``[N, Hk, cap]``: host block to copy and the slot it lands in, admitted misses in score order,
-    -1 past them. No host sync; CUDA-graph capturable (the grid depends on shapes only).
+    logical block. now: int64 0-d device tensor, the step's stamp. counters: int64 ``[>= 3]``; hits,
+    misses and admitted blocks (summed over rows and heads) are added to entries 0-2. Returns
+    (src_block, dst_slot), int64 ``[N, Hk, cap]``: host block to copy and the slot it lands in,
+    admitted misses in score order, -1 past them. No host sync; CUDA-graph capturable (the grid
+    depends on shapes only).
     """
     n, heads, m = scores.shape
     assert scores.dtype == torch.float32 and scores.stride(2) == 1
     assert ws_map.dtype == torch.int32 and ws_map.shape[1] == heads and ws_map.shape[2] >= k
     assert ws_map.stride(2) == 1 and block_tables.stride(1) == 1
-    assert ws_last.dtype == torch.int64 and ws_last.shape[1:] == (heads, k) and ws_last.stride(2) == 1
-    assert 1 <= cap <= k and slots.shape == (n,) and block_tables.shape[0] == n and block_tables.shape[1] >= m
+    assert (ws_last.dtype == torch.int64 and ws_last.shape[1:] == (heads, k)
+            and ws_last.stride(2) == 1)
+    assert (1 <= cap <= k and slots.shape == (n,) and block_tables.shape[0] == n
+            and block_tables.shape[1] >= m)
     assert now.dim() == 0 and counters.dtype == torch.int64
     src = torch.full((n, heads, cap), -1, dtype=torch.long, device=scores.device)
     dst = torch.full_like(src, -1)
@@ -141,7 +148,8 @@ def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Ten
         m, k, cap,
         scores.stride(0), scores.stride(1), ws_map.stride(0), ws_map.stride(1), ws_last.stride(0),
         ws_last.stride(1), block_tables.stride(0), src.stride(0), src.stride(1),
-        BLOCK_M=block_m, BLOCK_K=triton.next_power_of_2(k), EMPTY_FIRST=_EMPTY_FIRST, PROTECTED=_PROTECTED,
+        BLOCK_M=block_m, BLOCK_K=triton.next_power_of_2(k), EMPTY_FIRST=_EMPTY_FIRST,
+        PROTECTED=_PROTECTED,
         num_warps=4 if block_m <= 2048 else 8 if block_m <= 8192 else 16,
     )
     return src, dst

@@ -2,39 +2,41 @@
 (``sparse_decode_attention``).
 
 Working set of one layer, per K and V: ``[S, Hk, W, B, D]`` (S sequence slots, W = K + 1 block slots
-per (sequence, kv head), B tokens per block). ``ws_map`` int32 ``[S, Hk, W]`` names the logical block
-held by each slot (-1 = empty); heads of one sequence may hold different blocks. Slot W-1 is the
-*local block* (the sequence's last, still filling block): it is read up to each row's ``local_lens``
-whatever ``ws_map`` says for it. Slots ``j < W-1`` are read in full when ``ws_map >= 0``. Keys carry
-RoPE already, so the order of the slots does not matter and no positions are needed.
+per (sequence, kv head), B tokens per block). ``ws_map`` int32 ``[S, Hk, W]`` names the logical
+block held by each slot (-1 = empty); heads of one sequence may hold different blocks. Slot W-1 is
+the *local block* (the sequence's last, still filling block): it is read up to each row's
+``local_lens`` whatever ``ws_map`` says for it. Slots ``j < W-1`` are read in full when
+``ws_map >= 0``. Keys carry RoPE already, so the order of the slots does not matter and no positions
+are needed.
 
 Lookahead: a row may carry a *draft row* (the guessed next token), which attends everything its row
-attends plus one extra key/value, its own, passed in directly (it is never written to the working set).
-The draft's G query heads ride in the same program as the row's (2G of the 16 padded ``tl.dot`` rows
-for G <= 8, the next power of two above), so each K/V tile is read once for both.
+attends plus one extra key/value, its own, passed in directly (it is never written to the working
+set). The draft's G query heads ride in the same program as the row's (2G of the 16 padded
+``tl.dot`` rows for G <= 8, the next power of two above), so each K/V tile is read once for both.
 
-Kernel 1 (``_sparse_split_kernel``), grid ``(N, Hk, num_splits)``: a program owns the G query heads of
-one kv head of one row and of its draft row (padded to 16 rows for ``tl.dot``) and a run of
+Kernel 1 (``_sparse_split_kernel``), grid ``(N, Hk, num_splits)``: a program owns the G query heads
+of one kv head of one row and of its draft row (padded to 16 rows for ``tl.dot``) and a run of
 ``slots_per_split`` slots; it runs an online softmax in fp32 over the valid tokens of its slots,
 ``SLOTS_PER_ITER`` slots per iteration; the split holding the local slot adds the draft's own token.
 With one split it writes the normalized output; with several it writes a partial (max, sum of exps,
-unnormalized accumulator; neutral -inf/0/0 when the split holds no valid token) and the reduce kernel of
-``paged_decode`` (same workspace layout) merges them. Grid and workspace depend only on shapes: the call
-is CUDA-graph capturable and never syncs the host.
+unnormalized accumulator; neutral -inf/0/0 when the split holds no valid token) and the reduce
+kernel of ``paged_decode`` (same workspace layout) merges them. Grid and workspace depend only on
+shapes: the call is CUDA-graph capturable and never syncs the host.
 
-Does not know: which blocks a slot holds or when they arrived (``kv/`` owns residency; a slot must be
-readable, i.e. its copy complete, before this kernel runs on the stream).
+Does not know: which blocks a slot holds or when they arrived (``kv/`` owns residency; a slot must
+be readable, i.e. its copy complete, before this kernel runs on the stream).
 """
 import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.paged_decode import (_load_q, _softmax_tile, _store_split, _wave_size, default_num_splits,
-                                          merge_splits, split_workspace)
+from oasiskv.kernels.paged_decode import (_load_q, _softmax_tile, _store_split, _wave_size,
+                                          default_num_splits, merge_splits, split_workspace)
 
 _LOG2E = 1.4426950408889634
-# 64 KV tokens per inner-loop iteration (4 slots at B=16), as paged_decode; 4 warps (``_wave_size`` in
-# paged_decode assumes 4), 2 stages. Untuned: check on the H200 (see tests/kernels/test_sparse_kernels.py).
+# 64 KV tokens per inner-loop iteration (4 slots at B=16), as paged_decode; 4 warps (``_wave_size``
+# in paged_decode assumes 4), 2 stages. Untuned: check on the H200 (see
+# tests/kernels/test_sparse_kernels.py).
 _TOKENS_PER_ITER = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
@@ -55,8 +57,9 @@ def _sparse_split_kernel(
     BLOCK_SIZE: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DRAFT: tl.constexpr,
 ):
-    """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` (and, HAS_DRAFT, of its
-    draft row ``draft_rows[pid(0)]`` when >= 0, program rows G..2G-1) over the slots of split ``pid(2)``.
+    """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` (and, HAS_DRAFT, of
+    its draft row ``draft_rows[pid(0)]`` when >= 0, program rows G..2G-1) over the slots of split
+    ``pid(2)``.
 
     ``qk_scale`` is ``scale * log2(e)`` (scores in the log2 domain). Workspace (not DIRECT): m/l
     ``[Nq, Hq, num_splits]``, acc ``[Nq, Hq, num_splits, HEAD_DIM]`` (Nq = rows of q).
@@ -108,18 +111,24 @@ def _sparse_split_kernel(
         valid = in_run & tl.where(slot == local_slot, tile_off < local_len, held >= 0)
         slot64 = slot.to(tl.int64)
 
-        kt = tl.load(k_head + (slot64 * stride_kw)[None, :] + kt_in_slot, mask=valid[None, :], other=0.0)
+        kt = tl.load(k_head + (slot64 * stride_kw)[None, :] + kt_in_slot, mask=valid[None, :],
+                     other=0.0)
         # a tile may hold no valid token (empty slots): _softmax_tile keeps that finite
         p, alpha, m_new, l_i = _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION)
-        v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None], other=0.0)
+        v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None],
+                    other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if HAS_DRAFT:  # the draft's own key and value, once: in the split that holds the local slot
-        if (draft >= 0) & (seq >= 0) & (slot_start <= local_slot) & (local_slot < slot_start + slots_per_split):
+    # the draft's own key and value, once: in the split that holds the local slot
+    if HAS_DRAFT:
+        if ((draft >= 0) & (seq >= 0) & (slot_start <= local_slot)
+                & (local_slot < slot_start + slots_per_split)):
             draft64 = tl.maximum(draft, 0).to(tl.int64)
-            xk = tl.load(extra_k_ptr + draft64 * stride_xkn + kv_head * stride_xkh + offs_d).to(tl.float32)
-            xv = tl.load(extra_v_ptr + draft64 * stride_xvn + kv_head * stride_xvh + offs_d).to(tl.float32)
+            xk = tl.load(extra_k_ptr + draft64 * stride_xkn + kv_head * stride_xkh
+                         + offs_d).to(tl.float32)
+            xv = tl.load(extra_v_ptr + draft64 * stride_xvn + kv_head * stride_xvh
+                         + offs_d).to(tl.float32)
             s_x = tl.where(is_draft & g_mask, tl.sum(q * xk[None, :], 1) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, s_x)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -136,29 +145,31 @@ def _sparse_split_kernel(
 _waves: dict[tuple, int] = {}
 
 
-def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor, ws_map: torch.Tensor,
-                            seq_slots: torch.Tensor, local_lens: torch.Tensor, scale: float,
-                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                            draft_rows: torch.Tensor | None = None, extra_k: torch.Tensor | None = None,
+def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
+                            ws_map: torch.Tensor, seq_slots: torch.Tensor, local_lens: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None,
+                            num_splits: int | None = None, draft_rows: torch.Tensor | None = None,
+                            extra_k: torch.Tensor | None = None,
                             extra_v: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention of one query token per row over its sequence's working set; returns ``out``.
+    """Decode attention of one query token per row over its sequence's working set; returns
+    ``out``.
 
-    q: ``[Nq, Hq, D]`` (last-dim stride 1), Hq = G * Hk; query head h attends kv head ``h // G``. Rows
-    ``0..N-1`` (N = len(seq_slots)) are the rows; without ``draft_rows`` Nq = N.
+    q: ``[Nq, Hq, D]`` (last-dim stride 1), Hq = G * Hk; query head h attends kv head ``h // G``.
+    Rows ``0..N-1`` (N = len(seq_slots)) are the rows; without ``draft_rows`` Nq = N.
     ws_k, ws_v: ``[S, Hk, W, B, D]``, same shape and dtype, last two dims contiguous (other strides
     free, e.g. one layer of a ``[L, S, Hk, W, B, D]`` buffer); D and B powers of two >= 16.
-    ws_map: int32 ``[S, Hk, W]`` (last-dim stride 1), block held by each slot, -1 = empty; only entries
-    ``j < W-1`` are read. seq_slots: int32 ``[N]``, the sequence slot of each row, -1 = padding row.
-    local_lens: int32 ``[N]`` in ``0..B``, tokens of the local slot W-1 this row attends. Row n, kv
-    head h attends every token of slots ``j < W-1`` with ``ws_map[s, h, j] >= 0`` plus the first
-    ``local_lens[n]`` tokens of slot W-1; no other entry of ws_k/ws_v is read. Padding rows and rows
-    with nothing to attend get zeros.
+    ws_map: int32 ``[S, Hk, W]`` (last-dim stride 1), block held by each slot, -1 = empty; only
+    entries ``j < W-1`` are read. seq_slots: int32 ``[N]``, the sequence slot of each row,
+    -1 = padding row. local_lens: int32 ``[N]`` in ``0..B``, tokens of the local slot W-1 this row
+    attends. Row n, kv head h attends every token of slots ``j < W-1`` with ``ws_map[s, h, j] >= 0``
+    plus the first ``local_lens[n]`` tokens of slot W-1; no other entry of ws_k/ws_v is read.
+    Padding rows and rows with nothing to attend get zeros.
     draft_rows: optional int32 ``[N]``: the q row (``>= N``) of row n's draft, -1 = none; each q row
     ``>= N`` must be named by exactly one row. A draft row attends what its row attends plus its own
     key/value ``extra_k/extra_v[draft, h]`` (``[Nq, Hk, D]``, last-dim stride 1); a padding row's
     draft gets zeros. (Programs then hold 2G query heads: 16 padded rows up to G = 8, more above.)
-    scale: softmax scale. out: optional ``[Nq, Hq, D]`` target (last-dim stride 1), else allocated with
-    q's dtype. num_splits: split-K factor over the W slots (default from
+    scale: softmax scale. out: optional ``[Nq, Hq, D]`` target (last-dim stride 1), else allocated
+    with q's dtype. num_splits: split-K factor over the W slots (default from
     ``paged_decode.default_num_splits`` with the measured wave size); each split covers whole
     iterations of slots, splits past the last slot write neutral partials. Math is fp32 with K/V
     upcast; dots as tf32 for 16-bit inputs, IEEE fp32 when q or the working set is fp32.
@@ -171,10 +182,14 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     assert cache_dim == head_dim and num_q_heads % num_kv_heads == 0, (
         f"q {tuple(q.shape)} does not fit working set {tuple(ws_k.shape)}")
     for ws in (ws_k, ws_v):
-        assert ws.stride(4) == 1 and ws.stride(3) == head_dim, "working set: last two dims must be contiguous"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
-    assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
-    assert num_slots >= 1 and ws_map.shape == (num_seqs, num_kv_heads, num_slots) and ws_map.stride(2) == 1
+        assert ws.stride(4) == 1 and ws.stride(3) == head_dim, (
+            "working set: last two dims must be contiguous")
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        "head_dim must be a power of two >= 16")
+    assert block_size >= 16 and block_size & (block_size - 1) == 0, (
+        "block_size must be a power of two >= 16")
+    assert (num_slots >= 1 and ws_map.shape == (num_seqs, num_kv_heads, num_slots)
+            and ws_map.stride(2) == 1)
     assert local_lens.shape == (n,) and q.stride(2) == 1
     group = num_q_heads // num_kv_heads
     has_draft = draft_rows is not None
@@ -187,7 +202,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     else:
         assert num_rows == n, f"q has {num_rows} rows for {n} sequence slots and no draft rows"
         draft_rows, extra_k, extra_v = seq_slots, q, q  # placeholders: never read
-    seq_slots, local_lens = seq_slots.contiguous(), local_lens.contiguous()  # read as packed arrays
+    # read as packed arrays
+    seq_slots, local_lens = seq_slots.contiguous(), local_lens.contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(2) == 1
@@ -197,11 +213,14 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     slots_per_iter = max(1, _TOKENS_PER_ITER // block_size)
     key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft)
     if num_splits is None:
-        num_splits = default_num_splits(n, num_kv_heads, num_slots, block_size, _waves.get(key, _DEFAULT_WAVE))
+        num_splits = default_num_splits(n, num_kv_heads, num_slots, block_size,
+                                        _waves.get(key, _DEFAULT_WAVE))
     assert num_splits >= 1
-    slots_per_split = triton.cdiv(triton.cdiv(num_slots, num_splits), slots_per_iter) * slots_per_iter
+    slots_per_split = (triton.cdiv(triton.cdiv(num_slots, num_splits), slots_per_iter)
+                       * slots_per_iter)
     direct = num_splits == 1
-    workspace = split_workspace(out, num_splits)  # [Nq, Hq, ...]: draft rows have their own partials
+    # [Nq, Hq, ...]: draft rows have their own partials
+    workspace = split_workspace(out, num_splits)
     fp32 = torch.float32 in (q.dtype, ws_k.dtype)
 
     compiled = _sparse_split_kernel[(n, num_kv_heads, num_splits)](
@@ -213,7 +232,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
         ws_v.stride(0), ws_v.stride(1), ws_v.stride(2), ws_v.stride(3),
         ws_map.stride(0), ws_map.stride(1),
         extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1),
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group * (2 if has_draft else 1))), HEAD_DIM=head_dim,
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group * (2 if has_draft else 1))),
+        HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32", HAS_DRAFT=has_draft,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,

@@ -1,9 +1,10 @@
 """Triton kernel that writes new tokens' K/V rows into the paged KV cache (``store_kv``).
 
-Cache layout (shared with ``paged_decode``): ``[num_blocks, num_kv_heads, block_size, head_dim]``;
-a token's slot is ``block_id * block_size + offset``. The caches may also be strided views whose last
-two dims ``[block_size, head_dim]`` are contiguous, e.g. one layer ``host_k[:, layer]`` of the tiered
-host store ``[num_host_blocks, num_layers, Hk, B, D]`` (block stride ``num_layers * Hk * B * D``).
+Cache layout (shared with ``paged_decode``): ``[num_blocks, num_kv_heads, block_size, head_dim]``; a
+token's slot is ``block_id * block_size + offset``. The caches may also be strided views whose last
+two dims ``[block_size, head_dim]`` are contiguous, e.g. one layer ``host_k[:, layer]`` of the
+tiered host store ``[num_host_blocks, num_layers, Hk, B, D]`` (block stride
+``num_layers * Hk * B * D``).
 """
 import torch
 import triton
@@ -18,7 +19,8 @@ def _store_kv_kernel(
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per token: copies its ``[num_heads, head_dim]`` K and V rows into the cache slot."""
+    """One program per token: copies its ``[num_heads, head_dim]`` K and V rows into the cache
+    slot."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -35,13 +37,15 @@ def _store_kv_kernel(
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write ``k[i]``/``v[i]`` into cache slot ``slot_mapping[i]``, in place; negative slots are skipped.
+    """Write ``k[i]``/``v[i]`` into cache slot ``slot_mapping[i]``, in place; negative slots are
+    skipped.
 
     k, v: ``[N, num_kv_heads, head_dim]``, any float dtype, last-dim stride 1 (other strides free).
-    k_cache, v_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same shape/dtype, each with
-    its last two dims contiguous (strides of dims 0 and 1 free, e.g. a layer view of the host store);
-    values are cast to the cache dtype. slot_mapping: int32/int64 ``[N]``. Duplicate non-negative slots
-    leave an unspecified one of the duplicates in the cache. Does not synchronize; CUDA-graph capturable.
+    k_cache, v_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same shape/dtype, each
+    with its last two dims contiguous (strides of dims 0 and 1 free, e.g. a layer view of the host
+    store); values are cast to the cache dtype. slot_mapping: int32/int64 ``[N]``. Duplicate
+    non-negative slots leave an unspecified one of the duplicates in the cache. Does not
+    synchronize; CUDA-graph capturable.
     """
     n, num_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -50,7 +54,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         f"cache {tuple(k_cache.shape)} does not fit k {tuple(k.shape)}")
     for cache in (k_cache, v_cache):
         assert cache.stride(3) == 1 and cache.stride(2) == head_dim, (
-            f"cache {tuple(cache.shape)} with strides {cache.stride()}: its last two dims must be contiguous")
+            f"cache {tuple(cache.shape)} with strides {cache.stride()}: "
+            f"its last two dims must be contiguous")
     assert k.stride(2) == 1 and v.stride(2) == 1, "k/v need last-dim stride 1"
     assert slot_mapping.shape == (n,) and slot_mapping.dtype in (torch.int32, torch.int64)
     slot_mapping = slot_mapping.contiguous()  # read as a packed array
@@ -59,7 +64,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_cache.stride(2),
         num_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_heads),

@@ -1,11 +1,13 @@
-"""Triton computation of block summaries: element-wise max and min of a block's keys (``block_minmax``).
+"""Triton computation of block summaries: element-wise max and min of a block's keys
+(``block_minmax``).
 
-Summaries of one layer: ``[num_host_blocks, Hk, 2, D]`` indexed by host block id; row 0 = element-wise
-max, row 1 = element-wise min over the block's B post-RoPE keys (``block_scores`` turns them into a
-center and a radius). The source is any 4-D view ``[I0, I1, B, D]`` whose last two dims are
-contiguous: one layer of the host store (``host_k[:, layer]``: I0 = host block, I1 = kv head; pinned
-memory is read through UVA) or the local slots of a working set (``ws_k[:, :, W-1]``: I0 = sequence
-slot, I1 = kv head), so a block completed in HBM is summarized without a copy.
+Summaries of one layer: ``[num_host_blocks, Hk, 2, D]`` indexed by host block id;
+row 0 = element-wise max, row 1 = element-wise min over the block's B post-RoPE keys
+(``block_scores`` turns them into a center and a radius). The source is any 4-D view
+``[I0, I1, B, D]`` whose last two dims are contiguous: one layer of the host store
+(``host_k[:, layer]``: I0 = host block, I1 = kv head; pinned memory is read through UVA) or the
+local slots of a working set (``ws_k[:, :, W-1]``: I0 = sequence slot, I1 = kv head), so a block
+completed in HBM is summarized without a copy.
 
 Kernel grid ``(M,)``: one program per item reduces one ``[B, D]`` block over its tokens in fp32 and
 writes the two rows. Grid depends on shapes only: CUDA-graph capturable.
@@ -24,7 +26,8 @@ def _block_minmax_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_NUM_TOKENS: tl.constexpr,
 ):
-    """Max and min over the tokens of block ``src[idx0[i], idx1[i]]`` into ``summaries[dst_block[i], dst_head[i]]``."""
+    """Max and min over the tokens of block ``src[idx0[i], idx1[i]]`` into
+    ``summaries[dst_block[i], dst_head[i]]``."""
     i = tl.program_id(0)
     dst_block = tl.load(dst_block_ptr + i).to(tl.int64)
     dst_head = tl.load(dst_head_ptr + i).to(tl.int64)
@@ -40,8 +43,8 @@ def _block_minmax_kernel(
         t_mask = t_mask & (offs_t < n_tok)
     d_mask = offs_d < HEAD_DIM
     valid = live & t_mask[:, None] & d_mask[None, :]
-    x = tl.load(src_ptr + i0 * stride_s0 + i1 * stride_s1 + offs_t[:, None] * stride_st + offs_d[None, :],
-                mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(src_ptr + i0 * stride_s0 + i1 * stride_s1 + offs_t[:, None] * stride_st
+                + offs_d[None, :], mask=valid, other=0.0).to(tl.float32)
     hi = tl.max(tl.where(valid, x, float("-inf")), 0)
     lo = tl.min(tl.where(valid, x, float("inf")), 0)
     dst = summaries_ptr + tl.maximum(dst_block, 0) * stride_sb + dst_head * stride_sh + offs_d
@@ -53,17 +56,19 @@ def _block_minmax_kernel(
 def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summaries: torch.Tensor,
                  dst_block: torch.Tensor, dst_head: torch.Tensor,
                  num_tokens: torch.Tensor | None = None) -> None:
-    """Write the summary of block ``src[idx0[i], idx1[i]]`` to ``summaries[dst_block[i], dst_head[i]]``.
+    """Write the summary of block ``src[idx0[i], idx1[i]]`` to
+    ``summaries[dst_block[i], dst_head[i]]``.
 
-    src: ``[I0, I1, B, D]``, last two dims contiguous, strides of dims 0/1 free (e.g. ``host_k[:, layer]``
-    or ``ws_k[:, :, W-1]``); pinned CPU memory (UVA) or device memory on CUDA. idx0, idx1, dst_block,
-    dst_head: int32/int64 ``[M]`` on the kernel's device. summaries: ``[num_host_blocks, Hk, 2, D]``
-    (last-dim stride 1): row 0 gets the element-wise max, row 1 the min, over the block's tokens, cast
-    to summaries' dtype (rounded to nearest: exact when src has the same dtype; a narrower dtype may
-    move the bounds inward by half an ulp). Items with ``dst_block[i] < 0`` are skipped. num_tokens:
-    optional int32/int64 ``[M]``: reduce only the first ``min(num_tokens[i], B)`` tokens (0 skips the
-    item); default all B (blocks passed are complete). Returns once launched: no host sync, CUDA-graph
-    capturable. Duplicate destinations leave an unspecified one of them.
+    src: ``[I0, I1, B, D]``, last two dims contiguous, strides of dims 0/1 free (e.g.
+    ``host_k[:, layer]`` or ``ws_k[:, :, W-1]``); pinned CPU memory (UVA) or device memory on CUDA.
+    idx0, idx1, dst_block, dst_head: int32/int64 ``[M]`` on the kernel's device. summaries:
+    ``[num_host_blocks, Hk, 2, D]`` (last-dim stride 1): row 0 gets the element-wise max, row 1 the
+    min, over the block's tokens, cast to summaries' dtype (rounded to nearest: exact when src has
+    the same dtype; a narrower dtype may move the bounds inward by half an ulp). Items with
+    ``dst_block[i] < 0`` are skipped. num_tokens: optional int32/int64 ``[M]``: reduce only the
+    first ``min(num_tokens[i], B)`` tokens (0 skips the item); default all B (blocks passed are
+    complete). Returns once launched: no host sync, CUDA-graph capturable. Duplicate destinations
+    leave an unspecified one of them.
     """
     _, _, block_size, head_dim = src.shape
     assert src.stride(3) == 1, "src needs last-dim stride 1"
@@ -77,7 +82,8 @@ def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summ
     if m == 0:
         return
     _block_minmax_kernel[(m,)](
-        src, idx0, idx1, summaries, dst_block, dst_head, dst_block if num_tokens is None else num_tokens,
+        src, idx0, idx1, summaries, dst_block, dst_head,
+        dst_block if num_tokens is None else num_tokens,
         src.stride(0), src.stride(1), src.stride(2),
         summaries.stride(0), summaries.stride(1), summaries.stride(2),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=triton.next_power_of_2(block_size),

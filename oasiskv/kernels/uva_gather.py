@@ -1,18 +1,18 @@
-"""Persistent Triton gather of (block, layer, kv-head) slices from the host store into the working set
-(``gather_blocks``).
+"""Persistent Triton gather of (block, layer, kv-head) slices from the host store into the working
+set (``gather_blocks``).
 
 Host store, per K and V: ``[num_host_blocks, num_layers, Hk, B, D]``, pinned CPU memory on GPU
 machines; one ``[B, D]`` slice is contiguous (4 KiB at B=16, D=128, bf16). A Triton kernel on CUDA
 reads a pinned CPU tensor passed as an argument through unified virtual addressing (UVA), so the
-copy needs no contiguous staging and no copy engine, and it can be captured in a CUDA graph (a replay
-reads the host memory as it is at replay time). Working set, per layer: ``[S, Hk, W, B, D]``, seen
-here flattened as ``[S * Hk * W, B, D]`` slots.
+copy needs no contiguous staging and no copy engine, and it can be captured in a CUDA graph (a
+replay reads the host memory as it is at replay time). Working set, per layer: ``[S, Hk, W, B, D]``,
+seen here flattened as ``[S * Hk * W, B, D]`` slots.
 
 Why persistent: measured on an H200 (PCIe Gen5 x16, 55 GB/s for one large cudaMemcpy), a gather with
-one program per slice takes every SM and does not overlap with model kernels on another stream; a grid
-of 32-64 programs, each looping over slices ``i = pid, pid + P, ...``, still moves 50-51 GB/s and
-overlaps almost perfectly. So the grid is ``min(num_programs, M)``, never M. Each iteration moves a
-slice of K and of V with one (or a few) vectorized loads of B*D elements each.
+one program per slice takes every SM and does not overlap with model kernels on another stream; a
+grid of 32-64 programs, each looping over slices ``i = pid, pid + P, ...``, still moves 50-51 GB/s
+and overlaps almost perfectly. So the grid is ``min(num_programs, M)``, never M. Each iteration
+moves a slice of K and of V with one (or a few) vectorized loads of B*D elements each.
 
 Does not know: which slices to move or when a slot may be overwritten (``kv/`` orders that with
 CUDA events: a slot is readable only after the gather that fills it has completed on its stream).
@@ -59,33 +59,38 @@ def _gather_kernel(
 def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: torch.Tensor,
                   ws_v: torch.Tensor, src_block: torch.Tensor, src_head: torch.Tensor,
                   dst_slot: torch.Tensor, num_programs: int = 64, items_per_iter: int = 1) -> None:
-    """Copy ``host[src_block[i], layer, src_head[i]]`` into working-set slot ``dst_slot[i]``, K and V.
+    """Copy ``host[src_block[i], layer, src_head[i]]`` into working-set slot ``dst_slot[i]``,
+    K and V.
 
     host_k, host_v: ``[num_host_blocks, num_layers, Hk, B, D]``, same shape, each ``[B, D]`` slice
     contiguous (other strides free); pinned CPU memory (read through UVA) or device memory on CUDA,
     any memory under the interpreter. layer: layer index. ws_k, ws_v: one layer's working set,
     ``[..., B, D]`` that flattens to ``[S * Hk * W, B, D]`` (e.g. contiguous ``[S, Hk, W, B, D]``);
     values are cast to its dtype. src_block, src_head, dst_slot: int32/int64 ``[M]`` on the kernel's
-    device; items with ``src_block[i] < 0`` are skipped (padding), other indices must be in range and
-    the destination slots distinct. num_programs: grid size bound (P = min(num_programs,
-    cdiv(M, items_per_iter))); items_per_iter (a power of two): items one program moves per loop
-    iteration, all loads in flight at once, so fewer programs keep PCIe busy. Returns
-    once launched: no host sync, CUDA-graph capturable (the grid depends on M, a shape).
+    device; items with ``src_block[i] < 0`` are skipped (padding), other indices must be in range
+    and the destination slots distinct. num_programs: grid size bound
+    (P = min(num_programs, cdiv(M, items_per_iter))); items_per_iter (a power of two): items one
+    program moves per loop iteration, all loads in flight at once, so fewer programs keep PCIe busy.
+    Returns once launched: no host sync, CUDA-graph capturable (the grid depends on M, a shape).
     """
     num_host_blocks, num_layers, num_kv_heads, block_size, head_dim = host_k.shape
-    assert host_v.shape == host_k.shape, f"host_k {tuple(host_k.shape)} and host_v {tuple(host_v.shape)} differ"
+    assert host_v.shape == host_k.shape, (
+        f"host_k {tuple(host_k.shape)} and host_v {tuple(host_v.shape)} differ")
     for host in (host_k, host_v):
-        assert host.stride(4) == 1 and host.stride(3) == head_dim, "host store: [B, D] slices must be contiguous"
+        assert host.stride(4) == 1 and host.stride(3) == head_dim, (
+            "host store: [B, D] slices must be contiguous")
     assert 0 <= layer < num_layers, f"layer {layer} out of range 0..{num_layers - 1}"
     assert ws_k.shape == ws_v.shape and ws_k.shape[-2:] == (block_size, head_dim), (
         f"working set {tuple(ws_k.shape)} does not hold [{block_size}, {head_dim}] slices")
     flat_k = ws_k.view(-1, block_size, head_dim)  # raises unless the leading dims flatten
     flat_v = ws_v.view(-1, block_size, head_dim)
     for flat in (flat_k, flat_v):
-        assert flat.stride(2) == 1 and flat.stride(1) == head_dim, "working set: [B, D] slots must be contiguous"
+        assert flat.stride(2) == 1 and flat.stride(1) == head_dim, (
+            "working set: [B, D] slots must be contiguous")
     m = src_block.shape[0]
     # index lists are read as packed arrays (an expanded, stride-0 view would be read past its end)
-    src_block, src_head, dst_slot = src_block.contiguous(), src_head.contiguous(), dst_slot.contiguous()
+    src_block, src_head, dst_slot = (src_block.contiguous(), src_head.contiguous(),
+                                     dst_slot.contiguous())
     assert src_block.shape == src_head.shape == dst_slot.shape == (m,)
     assert num_programs >= 1 and items_per_iter >= 1 and items_per_iter & (items_per_iter - 1) == 0
     if m == 0:
@@ -96,6 +101,7 @@ def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: 
         m, layer * host_k.stride(1), layer * host_v.stride(1),
         host_k.stride(0), host_k.stride(2), host_v.stride(0), host_v.stride(2),
         flat_k.stride(0), flat_v.stride(0),
-        SLICE=slice_len, CHUNK=min(_MAX_CHUNK, triton.next_power_of_2(slice_len)), ITEMS=items_per_iter,
+        SLICE=slice_len, CHUNK=min(_MAX_CHUNK, triton.next_power_of_2(slice_len)),
+        ITEMS=items_per_iter,
         num_warps=_NUM_WARPS,
     )

@@ -8,11 +8,12 @@ to is not spelled out, and an event wait cannot time out. A counter that the wai
 with a target makes the ordering explicit, and a copy that never comes becomes an error, not a hang.
 A one-program kernel holds up only the nodes behind it.
 
-Contract: ``done`` and ``target`` are int64 device scalars; the kernel returns once ``done >= target``
-(both read with volatile loads), or after ``max_polls`` polls, in which case it sets ``timed_out[0]``
-to 1 and returns anyway (a guard against a hang: the caller turns the flag into an error).
-``timed_out`` may be pinned host memory (written through UVA, read by the host without a sync).
-Whoever advances ``done`` must do it after the work it stands for, in that work's stream order.
+Contract: ``done`` and ``target`` are int64 device scalars; the kernel returns once
+``done >= target`` (both read with volatile loads), or after ``max_polls`` polls, in which case it
+sets ``timed_out[0]`` to 1 and returns anyway (a guard against a hang: the caller turns the flag
+into an error). ``timed_out`` may be pinned host memory (written through UVA, read by the host
+without a sync). Whoever advances ``done`` must do it after the work it stands for, in that work's
+stream order.
 """
 import torch
 import triton
@@ -31,10 +32,11 @@ def _wait_kernel(done_ptr, target_ptr, timed_out_ptr, max_polls):
         tl.store(timed_out_ptr, 1)
 
 
-def wait_ready(done: torch.Tensor, target: torch.Tensor, timed_out: torch.Tensor, max_polls: int) -> None:
-    """Hold the current stream until ``done >= target`` (int64 scalars); after ``max_polls`` polls set
-    ``timed_out[0] = 1`` (int32, one element) and go on. Launches one program; no host sync; CUDA-graph
-    capturable (the scalars are read at run time)."""
+def wait_ready(done: torch.Tensor, target: torch.Tensor, timed_out: torch.Tensor,
+               max_polls: int) -> None:
+    """Hold the current stream until ``done >= target`` (int64 scalars); after ``max_polls`` polls
+    set ``timed_out[0] = 1`` (int32, one element) and go on. Launches one program; no host sync;
+    CUDA-graph capturable (the scalars are read at run time)."""
     assert done.dtype == target.dtype == torch.int64 and done.numel() == target.numel() == 1
     assert timed_out.dtype == torch.int32 and timed_out.numel() == 1 and max_polls >= 1
     _wait_kernel[(1,)](done, target, timed_out, max_polls, num_warps=1)

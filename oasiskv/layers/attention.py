@@ -1,5 +1,6 @@
 """Attention layer: the model's view of attention. It owns nothing but its shape; the attention
-backend of the current forward context (``engine.forward_batch``) stores K/V and computes the output."""
+backend of the current forward context (``engine.forward_batch``) stores K/V and computes the
+output."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
-"""Element-wise ops of the decoder, dispatched by device (``kernels.dispatch``): Triton fusions on CUDA,
-their torch references elsewhere. Same contracts and rounding."""
+"""Element-wise ops of the decoder, dispatched by device (``kernels.dispatch``): Triton fusions on
+CUDA, their torch references elsewhere. Same contracts and rounding."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +7,10 @@ import torch
 from oasiskv.kernels.dispatch import kernel
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given; x ``[T, H]``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given;
+    x ``[T, H]``."""
     return kernel("rms_norm", x.is_cuda)(x, weight, eps, residual)
 
 

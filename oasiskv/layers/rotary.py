@@ -9,7 +9,8 @@ from oasiskv.config import RopeConfig
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (fp32), scaled per Llama 3.x when ``rope.scaling`` is set."""
+    """Inverse frequencies ``[head_dim // 2]`` (fp32), scaled per Llama 3.x when ``rope.scaling`` is
+    set."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not rope.scaling:
         return inv_freq.float()
@@ -25,10 +26,12 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Holds ``cos_sin`` fp32 ``[max_positions, head_dim]``: cos of the head_dim/2 frequencies, then sin.
-    Applied by ``layers.ops.qk_norm_rope`` (rotate-half convention)."""
+    """Holds ``cos_sin`` fp32 ``[max_positions, head_dim]``: cos of the head_dim/2 frequencies, then
+    sin. Applied by ``layers.ops.qk_norm_rope`` (rotate-half convention)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_frequencies(head_dim, rope))
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                            inv_frequencies(head_dim, rope))
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)

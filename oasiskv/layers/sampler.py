@@ -29,15 +29,16 @@ class SamplingTensors:
 
 @dataclass
 class SamplerOutput:
-    """``tokens`` [N] int64; when logprobs were asked: ``token_logprobs`` [N], ``top_ids``/``top_logprobs``
-    [N, max_logprobs] (all still on the device)."""
+    """``tokens`` [N] int64; when logprobs were asked: ``token_logprobs`` [N],
+    ``top_ids``/``top_logprobs`` [N, max_logprobs] (all still on the device)."""
     tokens: torch.Tensor
     token_logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, st: SamplingTensors,
+           generator: torch.Generator | None = None) -> SamplerOutput:
     """logits ``[N, V]`` float32 -> tokens; ``generator`` feeds unseeded rows."""
     greedy = logits.argmax(dim=-1)
     if st.all_greedy:
@@ -55,15 +56,18 @@ def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator
         tokens = torch.where(st.temperature > 0, sampled, greedy)
     out = SamplerOutput(tokens)
     if st.max_logprobs >= 0:
-        out.token_logprobs, out.top_ids, out.top_logprobs = token_logprobs(logits, tokens, st.max_logprobs)
+        out.token_logprobs, out.top_ids, out.top_logprobs = token_logprobs(
+            logits, tokens, st.max_logprobs)
     return out
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int):
-    """Log-softmax of ``logits`` [N, V]: the logprob of ``tokens`` [N] and the top-``top_n`` per row."""
+    """Log-softmax of ``logits`` [N, V]: the logprob of ``tokens`` [N] and the top-``top_n`` per
+    row."""
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
-    top_lp, top_ids = logp.topk(top_n, dim=-1) if top_n > 0 else (logp[:, :0], tokens[:, None][:, :0])
+    top_lp, top_ids = (logp.topk(top_n, dim=-1) if top_n > 0
+                       else (logp[:, :0], tokens[:, None][:, :0]))
     return chosen, top_ids, top_lp
 
 

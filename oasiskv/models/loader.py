@@ -36,7 +36,8 @@ def resolve_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json: pass a folder holding an HF checkpoint")
+            raise FileNotFoundError(f"{path} has no config.json: "
+                                    "pass a folder holding an HF checkpoint")
         return path
     if model in preset_names():
         return PRESETS / model
@@ -50,11 +51,13 @@ def resolve_model_path(model: str) -> Path:
 def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+        return Path(snapshot_download(repo_id,
+                                      allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
     except Exception as exc:  # offline, unknown repo, auth: all end the same way for the user
         raise FileNotFoundError(
-            f"could not fetch model {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
-            f"If this machine is offline, download it elsewhere and pass the local folder path instead, "
+            f"could not fetch model {repo_id!r} from the Hugging Face hub "
+            f"({type(exc).__name__}: {exc}). If this machine is offline, download it elsewhere "
+            f"and pass the local folder path instead, "
             f"e.g. `oasiskv generate /path/to/{repo_id.split('/')[-1]}`") from None
 
 
@@ -73,7 +76,8 @@ def safetensors_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights (only safetensors checkpoints load)")
+        raise FileNotFoundError(f"{path} has no *.safetensors weights "
+                                "(only safetensors checkpoints load)")
     return files
 
 
@@ -85,7 +89,8 @@ def iter_weights(path: Path):
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as exc:
-            raise ValueError(f"cannot read {file}: {exc}; the file is corrupt or truncated") from None
+            raise ValueError(f"cannot read {file}: {exc}; "
+                             "the file is corrupt or truncated") from None
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -2,10 +2,10 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (all behind the
 optional API key), ``GET /health`` and ``GET /metrics`` (always open). Every error body, including
-FastAPI's own validation errors (422; malformed JSON is a 400) and unknown routes (404), has OpenAI's
-shape ``{"error": {"message", "type", "param", "code"}}``. ``serve`` returns 0 after a graceful
-shutdown: on SIGINT/SIGTERM it stops admitting requests, ends the in-flight ones (their streams
-finish with an error event), lets uvicorn close the connections and stops the engine thread.
+FastAPI's own validation errors (422; malformed JSON is a 400) and unknown routes (404), has
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. ``serve`` returns 0 after a
+graceful shutdown: on SIGINT/SIGTERM it stops admitting requests, ends the in-flight ones (their
+streams finish with an error event), lets uvicorn close the connections and stops the engine thread.
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def _error_response(exc: APIError) -> JSONResponse:
 
 
 class _BearerAuth:
-    """ASGI middleware: paths under /v1 need ``Authorization: Bearer <key>`` (plain ASGI, so streaming
-    and disconnect detection pass through untouched)."""
+    """ASGI middleware: paths under /v1 need ``Authorization: Bearer <key>`` (plain ASGI, so
+    streaming and disconnect detection pass through untouched)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
@@ -52,7 +52,8 @@ class _BearerAuth:
         if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                error = APIError(401, "missing or wrong API key: "
+                                      "send 'Authorization: Bearer <key>'",
                                  code="invalid_api_key")
                 await _error_response(error)(scope, receive, send)
                 return
@@ -63,23 +64,28 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
+        return APIError(400, (f"the request body is not valid JSON: "
+                              f"{first.get('ctx', {}).get('error', '')}").strip())
     locs = [[str(part) for part in e["loc"] if part != "body"] for e in errors] or [[]]
-    common = os.path.commonprefix(locs)  # a union reports one error per member: name the field they share
-    details = "; ".join(f"{'.'.join(loc) or 'body'}: {e['msg']}" for loc, e in zip(locs[:4], errors))
-    return APIError(422, details + ("; ..." if len(errors) > 4 else ""), param=".".join(common) or None)
+    # a union reports one error per member: name the field they share
+    common = os.path.commonprefix(locs)
+    details = "; ".join(f"{'.'.join(loc) or 'body'}: {e['msg']}"
+                        for loc, e in zip(locs[:4], errors))
+    return APIError(422, details + ("; ..." if len(errors) > 4 else ""),
+                    param=".".join(common) or None)
 
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
                max_waiting: int = 1024) -> FastAPI:
     """The app around ``engine``; its lifespan starts and stops the engine thread. From here on only
-    that thread may use ``engine``. ``app.state.engine`` is the ``AsyncEngine``, ``app.state.model_name``
-    the name clients must use."""
+    that thread may use ``engine``. ``app.state.engine`` is the ``AsyncEngine``,
+    ``app.state.model_name`` the name clients must use."""
     model_name = served_model_name or engine.model_path.name
     vocab_size = engine.model_config.vocab_size
     metrics = Metrics(lambda: bridge.stats)
     bridge = AsyncEngine(engine, max_waiting, on_finished=metrics.observe)
-    serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer, model_name, vocab_size)
+    serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer,
+                            model_name, vocab_size)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
     @asynccontextmanager
@@ -88,7 +94,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         yield
         await bridge.close()
 
-    app = FastAPI(title="oasiskv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="oasiskv", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.engine, app.state.model_name = bridge, model_name
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key)
@@ -103,7 +110,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        message = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code == 404
+                   else str(exc.detail))
         return _error_response(APIError(exc.status_code, message))
 
     @app.exception_handler(Exception)
@@ -153,7 +161,8 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
@@ -161,13 +170,15 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_waiting: int = 1024, served_model_name: str | None = None) -> int:
-    """Load the engine and serve until SIGINT/SIGTERM; returns the exit status (0 after a clean stop).
-    ``api_key`` falls back to ``$OASISKV_API_KEY``; empty means no auth."""
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, max_waiting: int = 1024,
+          served_model_name: str | None = None) -> int:
+    """Load the engine and serve until SIGINT/SIGTERM; returns the exit status (0 after a clean
+    stop). ``api_key`` falls back to ``$OASISKV_API_KEY``; empty means no auth."""
     api_key = api_key or os.environ.get("OASISKV_API_KEY") or None
     app = create_app(LLMEngine(config), served_model_name, api_key, max_waiting)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=10),
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_config=None,
+                                    timeout_graceful_shutdown=10),
                      on_exit=app.state.engine.begin_shutdown)
     logger.info("serving %s on http://%s:%d (API key %s)", app.state.model_name, host, port,
                 "required" if api_key else "off")

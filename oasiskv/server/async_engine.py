@@ -1,4 +1,5 @@
-"""AsyncEngine: the bridge between asyncio request handlers and the one thread that drives LLMEngine.
+"""AsyncEngine: the bridge between asyncio request handlers and the one thread that drives
+LLMEngine.
 
 Threading contract: only the engine thread touches the ``LLMEngine`` (including its tokenizer). The
 event loop sends it commands (add, abort, stop) through a thread-safe queue; the thread applies all
@@ -7,11 +8,11 @@ spin). Results come back to the loop with ``loop.call_soon_threadsafe``, one cal
 routed to the ``RequestHandle`` of the HTTP request they belong to. All handle and routing state
 lives on the loop thread.
 
-Failure contract: bad input is refused with ``APIError(400)`` before anything is queued. An exception
-escaping ``LLMEngine.step`` fails every unfinished request with ``APIError(500)`` and the thread goes
-on serving. On shutdown every unfinished request ends with ``APIError(503)``. A request whose
-consumer goes away must be aborted (``RequestHandle.abort``): the engine frees its KV between the
-next two steps.
+Failure contract: bad input is refused with ``APIError(400)`` before anything is queued. An
+exception escaping ``LLMEngine.step`` fails every unfinished request with ``APIError(500)`` and the
+thread goes on serving. On shutdown every unfinished request ends with ``APIError(503)``. A request
+whose consumer goes away must be aborted (``RequestHandle.abort``): the engine frees its KV between
+the next two steps.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class _Add:
     params: list[SamplingParams]
     max_tokens: int | None
     reply: asyncio.Future
-    arrival_time: float = dataclasses.field(default_factory=time.monotonic)  # TTFT counts queueing too
+    # TTFT counts queueing too
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -51,10 +53,12 @@ _STOP = object()
 
 
 class RequestHandle:
-    """The engine requests of one API request: choice ``i`` is prompt ``i // n``'s ``i % n``-th sample.
+    """The engine requests of one API request: choice ``i`` is prompt ``i // n``'s ``i % n``-th
+    sample.
 
-    ``prompt_token_ids`` holds each prompt's tokens once the engine accepted the request. Iterate
-    ``outputs()`` to receive ``(choice index, RequestOutput)`` in the order the engine produced them.
+    ``prompt_token_ids`` holds each prompt's tokens once the engine accepted the request.
+    Iterate ``outputs()`` to receive ``(choice index, RequestOutput)`` in the order the engine
+    produced them.
     """
 
     def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
@@ -91,9 +95,11 @@ class AsyncEngine:
         self.on_finished = on_finished
         self.stats: EngineStats = dataclasses.replace(engine.stats)  #: snapshot after the last step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, tuple[RequestHandle, int]] = {}  # unfinished engine request -> (handle, choice)
+        # unfinished engine request -> (handle, choice)
+        self._routes: dict[str, tuple[RequestHandle, int]] = {}
         self._ids = itertools.count()
-        self._live: set[str] = set()  # engine thread only: requests added and not finished or aborted
+        # engine thread only: requests added and not finished or aborted
+        self._live: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -119,19 +125,20 @@ class AsyncEngine:
 
         ``params[j]`` is choice ``j`` of every prompt; their ``max_tokens`` is replaced: by
         ``max_tokens`` (0 still generates one token, for the caller to drop), or by whatever the
-        context leaves after the prompt when ``max_tokens`` is None. Raises ``APIError``: 400 for bad
-        prompts or a prompt plus ``max_tokens`` over the context limit, 503 when more than
+        context leaves after the prompt when ``max_tokens`` is None. Raises ``APIError``: 400 for
+        bad prompts or a prompt plus ``max_tokens`` over the context limit, 503 when more than
         ``max_waiting`` engine requests would be unfinished or the server is shutting down.
         """
         count = len(prompts) * len(params)
         if not self.healthy:
             raise APIError(503, "the server is shutting down")
         if count > self.max_waiting:
-            raise APIError(400, f"this request needs {count} generations (prompts x n) but the server "
-                                f"admits at most {self.max_waiting} at a time", param="n")
+            raise APIError(400, f"this request needs {count} generations (prompts x n) but the "
+                                f"server admits at most {self.max_waiting} at a time", param="n")
         if self.num_unfinished + count > self.max_waiting:
-            raise APIError(503, f"the server is overloaded: {self.num_unfinished} requests are queued or "
-                                f"running (limit {self.max_waiting}); retry later", code="overloaded")
+            raise APIError(503, f"the server is overloaded: {self.num_unfinished} requests are "
+                                f"queued or running (limit {self.max_waiting}); retry later",
+                           code="overloaded")
         base = f"r{next(self._ids)}"
         handle = RequestHandle(self, [f"{base}-{i}" for i in range(count)])
         for i, rid in enumerate(handle.request_ids):
@@ -202,7 +209,8 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 if isinstance(cmd, _Add):
-                    self._post(self._resolve, cmd.reply, APIError(503, "the server is shutting down"))
+                    self._post(self._resolve, cmd.reply,
+                               APIError(503, "the server is shutting down"))
 
     def _serve_once(self) -> bool:
         """Apply pending commands (waiting for one when idle), then run one step. False on stop."""
@@ -222,7 +230,8 @@ class AsyncEngine:
                 self._live.difference_update(o.request_id for o in outputs if o.finished)
                 self._post(self._dispatch, [(o.request_id, o) for o in outputs])
         except Exception as exc:
-            logger.exception("the engine loop failed; failing its %d unfinished requests", len(self._live))
+            logger.exception("the engine loop failed; failing its %d unfinished requests",
+                             len(self._live))
             self._fail_live(APIError(500, f"internal engine error: {type(exc).__name__}: {exc}"))
         self.stats = dataclasses.replace(self.engine.stats)
         return True
@@ -242,7 +251,8 @@ class AsyncEngine:
             self._post(self._resolve, cmd.reply, APIError(400, str(exc), param="prompt"))
         except Exception as exc:
             logger.exception("adding a request failed")
-            self._post(self._resolve, cmd.reply, APIError(500, f"internal engine error: {type(exc).__name__}: {exc}"))
+            self._post(self._resolve, cmd.reply,
+                       APIError(500, f"internal engine error: {type(exc).__name__}: {exc}"))
         else:
             self._post(self._resolve, cmd.reply, prompt_ids)
 
@@ -251,11 +261,13 @@ class AsyncEngine:
         prompt_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in cmd.prompts]
         for ids in prompt_ids:
             if len(ids) >= limit:
-                raise APIError(400, f"the prompt has {len(ids)} tokens but the context limit is {limit} tokens "
-                                    f"(prompt + output): shorten the prompt", param="prompt")
+                raise APIError(400, f"the prompt has {len(ids)} tokens but the context limit is "
+                                    f"{limit} tokens (prompt + output): shorten the prompt",
+                               param="prompt")
             if cmd.max_tokens is not None and len(ids) + cmd.max_tokens > limit:
-                raise APIError(400, f"max_tokens is {cmd.max_tokens} but the prompt has {len(ids)} tokens and "
-                                    f"the context limit is {limit}: ask for at most {limit - len(ids)} tokens",
+                raise APIError(400, f"max_tokens is {cmd.max_tokens} but the prompt has {len(ids)} "
+                                    f"tokens and the context limit is {limit}: "
+                                    f"ask for at most {limit - len(ids)} tokens",
                                param="max_tokens")
         added: list[str] = []
         try:
@@ -263,8 +275,9 @@ class AsyncEngine:
             for ids in prompt_ids:
                 budget = limit - len(ids) if cmd.max_tokens is None else max(cmd.max_tokens, 1)
                 for p in cmd.params:
-                    added.append(self.engine.add_request(ids, dataclasses.replace(p, max_tokens=budget), next(rids),
-                                                          cmd.arrival_time))
+                    added.append(self.engine.add_request(ids,
+                                                         dataclasses.replace(p, max_tokens=budget),
+                                                         next(rids), cmd.arrival_time))
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)

@@ -1,15 +1,16 @@
-"""The /v1/completions and /v1/chat/completions handlers: request -> engine requests -> response or SSE.
+"""The /v1/completions and /v1/chat/completions handlers: request -> engine requests -> response or
+SSE.
 
 Contracts: every user mistake is an ``APIError`` 4xx raised before anything reaches the engine or by
 the engine bridge's own checks; a choice that fails inside the engine is a 500. ``n`` choices per
-prompt are ``n`` engine requests (choice ``j`` of a seeded request uses ``seed + j``). A stream sends
-one chunk per generated token (plus an echo chunk per choice for ``echo``, a role chunk per choice
-for chat, and a usage chunk when asked), then ``data: [DONE]``; an error after the stream started is
-an ``{"error": ...}`` event before ``[DONE]``. Whenever the client goes away, streaming or not, the
-request's unfinished engine requests are aborted at once. Completions with ``max_tokens: 0`` run one
-token and drop it, so ``echo`` + ``logprobs`` score a prompt (lm-evaluation-harness loglikelihood).
-Chat templates are rendered on the event loop (Jinja only; the tokenizer itself is left to the engine
-thread).
+prompt are ``n`` engine requests (choice ``j`` of a seeded request uses ``seed + j``). A stream
+sends one chunk per generated token (plus an echo chunk per choice for ``echo``, a role chunk per
+choice for chat, and a usage chunk when asked), then ``data: [DONE]``; an error after the stream
+started is an ``{"error": ...}`` event before ``[DONE]``. Whenever the client goes away, streaming
+or not, the request's unfinished engine requests are aborted at once. Completions with
+``max_tokens: 0`` run one token and drop it, so ``echo`` + ``logprobs`` score a prompt
+(lm-evaluation-harness loglikelihood). Chat templates are rendered on the event loop (Jinja only;
+the tokenizer itself is left to the engine thread).
 """
 from __future__ import annotations
 
@@ -31,18 +32,21 @@ from oasiskv.sampling_params import SamplingParams
 from oasiskv.server.async_engine import AsyncEngine, RequestHandle
 from oasiskv.server.errors import APIError
 from oasiskv.server.logprobs import CompletionLogprobsBuilder, TokenTable, chat_logprobs
-from oasiskv.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                     CompletionRequest, CompletionResponse, Delta, Usage, SamplingRequest)
+from oasiskv.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
+                                     ChatCompletionChunk, ChatCompletionRequest,
+                                     ChatCompletionResponse, CompletionChoice, CompletionRequest,
+                                     CompletionResponse, Delta, Usage, SamplingRequest)
 
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+# OpenAI's default for /v1/completions; chat defaults to the rest of the context
+DEFAULT_COMPLETION_TOKENS = 16
 
 
 class _EventStream(StreamingResponse):
     """SSE response that aborts its request however the response ends (done, error, disconnect)."""
 
     def __init__(self, events: AsyncIterator[BaseModel], handle: RequestHandle):
-        super().__init__(_sse(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(_sse(events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
         self.handle = handle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -103,7 +107,8 @@ def _usage(handle: RequestHandle, completion_tokens: int) -> Usage:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokens: TokenTable, tokenizer, model_name: str, vocab_size: int):
+    def __init__(self, engine: AsyncEngine, tokens: TokenTable, tokenizer, model_name: str,
+                 vocab_size: int):
         self.engine, self.tokens, self.tokenizer = engine, tokens, tokenizer
         self.model_name, self.vocab_size = model_name, vocab_size
 
@@ -111,13 +116,15 @@ class OpenAIServing:
     def _check(self, req: SamplingRequest) -> int:
         """Model name, unsupported fields and ``n``; returns ``n``."""
         if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
+            raise APIError(404, f"the model `{req.model}` does not exist; "
+                                f"this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
         if bad := req.unsupported():
             raise APIError(400, f"not supported by this server: {', '.join(bad)}", param=bad[0])
         n = 1 if req.n is None else req.n
         if not 1 <= n <= self.engine.max_waiting:
-            raise APIError(400, f"n must be in [1, {self.engine.max_waiting}] (the server's queue bound), got {n}",
+            raise APIError(400, f"n must be in [1, {self.engine.max_waiting}] "
+                                f"(the server's queue bound), got {n}",
                            param="n")
         return n
 
@@ -127,8 +134,8 @@ class OpenAIServing:
         def given(value, default):
             return default if value is None else value
 
-        # Bounds SamplingParams.validate lacks: the engine turns these into int64 tensors / generator
-        # seeds mid-step, where an overflow fails the whole batch.
+        # Bounds SamplingParams.validate lacks: the engine turns these into int64 tensors /
+        # generator seeds mid-step, where an overflow fails the whole batch.
         if req.seed is not None and not 0 <= req.seed < 2**63:
             raise APIError(400, f"seed must be in [0, 2**63), got {req.seed}", param="seed")
         top_k = given(req.top_k, 0)
@@ -137,14 +144,16 @@ class OpenAIServing:
         params = SamplingParams(
             max_tokens=1, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
             top_k=top_k, min_p=given(req.min_p, 0.0), seed=req.seed, stop=given(req.stop, []),
-            stop_token_ids=given(req.stop_token_ids, []), ignore_eos=req.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            stop_token_ids=given(req.stop_token_ids, []), ignore_eos=req.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             params.validate(self.vocab_size)
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
-            raise APIError(400, str(exc), param=field if field in type(req).model_fields else None) from None
-        return [dataclasses.replace(params, seed=None if req.seed is None else req.seed + j) for j in range(n)]
+            raise APIError(400, str(exc),
+                           param=field if field in type(req).model_fields else None) from None
+        return [dataclasses.replace(params, seed=None if req.seed is None else req.seed + j)
+                for j in range(n)]
 
     # ---- /v1/completions -----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
@@ -167,14 +176,18 @@ class OpenAIServing:
             prompt = render_chat(self.tokenizer, [m.as_dict() for m in req.messages])
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        except Exception as exc:  # a chat template's own checks (e.g. role order) reject the conversation
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        except Exception as exc:
+            # a chat template's own checks (e.g. role order) reject the conversation
+            raise APIError(400, f"the chat template rejected the messages: {exc}",
+                           param="messages") from None
+        max_tokens = (req.max_tokens if req.max_completion_tokens is None
+                      else req.max_completion_tokens)
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= SamplingParams.MAX_LOGPROBS:
+        if (req.top_logprobs is not None
+                and not 0 <= req.top_logprobs <= SamplingParams.MAX_LOGPROBS):
             raise APIError(400, f"top_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got "
                                 f"{req.top_logprobs}", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -201,18 +214,21 @@ class _CompletionJob:
         tokens = self.serving.tokens
         self.echo_texts = [p if isinstance(p, str) else tokens.text(p) for p in self.prompts]
 
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+    def _chunk(self, choices: list[CompletionChoice],
+               usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.serving.model_name,
                                   choices=choices, usage=usage)
 
     def _generated(self, out: RequestOutput) -> tuple[list[int], str, list, str | None]:
-        """(token ids, text, logprobs, finish reason) the client sees; ``max_tokens: 0`` drops the token."""
+        """(token ids, text, logprobs, finish reason) the client sees; ``max_tokens: 0`` drops the
+        token."""
         if self.max_tokens == 0:
             return [], "", [], "length" if out.finished else None
         return out.token_ids, out.text, out.logprobs or [], out.finish_reason
 
     def _builder(self) -> CompletionLogprobsBuilder | None:
-        return CompletionLogprobsBuilder(self.serving.tokens) if self.req.logprobs is not None else None
+        return (CompletionLogprobsBuilder(self.serving.tokens) if self.req.logprobs is not None
+                else None)
 
     async def response(self) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
@@ -229,7 +245,8 @@ class _CompletionJob:
                 text, lps = self.echo_texts[prompt] + text, (out.prompt_logprobs or []) + lps
                 first = self.handle.prompt_token_ids[prompt][0]
             logprobs = builder.add(lps, first_token=first) if builder else None
-            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason))
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=reason))
         return self._chunk(choices, _usage(self.handle, completion_tokens))
 
     async def chunks(self) -> AsyncIterator[CompletionResponse]:
@@ -240,13 +257,16 @@ class _CompletionJob:
                 builders[index] = builder = self._builder()
                 if self.req.echo:
                     prompt = index // self.n
-                    lps = builder.add(out.prompt_logprobs or [], first_token=self.handle.prompt_token_ids[prompt][0]) \
-                        if builder else None
-                    yield self._chunk([CompletionChoice(index=index, text=self.echo_texts[prompt], logprobs=lps)])
+                    lps = (builder.add(out.prompt_logprobs or [],
+                                       first_token=self.handle.prompt_token_ids[prompt][0])
+                           if builder else None)
+                    yield self._chunk([CompletionChoice(index=index, text=self.echo_texts[prompt],
+                                                        logprobs=lps)])
             builder = builders[index]
             if self.max_tokens == 0:
                 if out.finished:
-                    yield self._chunk([CompletionChoice(index=index, text="", finish_reason="length")])
+                    yield self._chunk([CompletionChoice(index=index, text="",
+                                                        finish_reason="length")])
                 continue
             completion_tokens += len(out.new_token_ids)
             lps = builder.add(out.new_logprobs or []) if builder else None
@@ -277,19 +297,23 @@ class _ChatJob:
             if out.finished:
                 finals[index] = out
         choices = [ChatChoice(index=i, message=AssistantMessage(content=finals[i].text),
-                              logprobs=self._logprobs(finals[i].logprobs), finish_reason=finals[i].finish_reason)
+                              logprobs=self._logprobs(finals[i].logprobs),
+                              finish_reason=finals[i].finish_reason)
                    for i in sorted(finals)]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.serving.model_name,
-                                      choices=choices,
-                                      usage=_usage(self.handle, sum(len(o.token_ids) for o in finals.values())))
+        return ChatCompletionResponse(id=self.id, created=self.created,
+                                      model=self.serving.model_name, choices=choices,
+                                      usage=_usage(self.handle,
+                                                   sum(len(o.token_ids) for o in finals.values())))
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatChunkChoice],
+               usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.serving.model_name,
                                    choices=choices, usage=usage)
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         for index in range(len(self.handle.request_ids)):
-            yield self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+            yield self._chunk([ChatChunkChoice(index=index,
+                                               delta=Delta(role="assistant", content=""))])
         completion_tokens = 0
         async for index, out in _outputs(self.handle):
             completion_tokens += len(out.new_token_ids)

@@ -2,9 +2,9 @@
 
 ``TokenTable`` is built once from the tokenizer before the engine thread starts and is read-only
 afterwards, so request handlers never call the tokenizer (which the engine thread uses). A token's
-display string is its UTF-8 text, or ``"bytes:\\xe2\\x80"`` when it holds part of a character (OpenAI's
-spelling). ``CompletionLogprobsBuilder`` and ``chat_logprobs`` turn the engine's ``TokenLogprobs`` into
-the completions (legacy) and chat shapes.
+display string is its UTF-8 text, or ``"bytes:\\xe2\\x80"`` when it holds part of a character
+(OpenAI's spelling). ``CompletionLogprobsBuilder`` and ``chat_logprobs`` turn the engine's
+``TokenLogprobs`` into the completions (legacy) and chat shapes.
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class TokenTable:
             return
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
-        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        special = (set(tokenizer.all_special_ids)
+                   | set(getattr(tokenizer, "added_tokens_decoder", {})))
         for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(vocab_size)))):
             if piece is None:
                 continue
@@ -54,7 +55,8 @@ class TokenTable:
                 self.token_bytes[i] = tokenizer.decode([i]).encode()
 
     def piece(self, token_id: int) -> str:
-        """Display string; ``"token_id:N"`` for ids without text (no tokenizer, or beyond its vocab)."""
+        """Display string; ``"token_id:N"`` for ids without text (no tokenizer, or beyond its
+        vocab)."""
         raw = self.token_bytes[token_id]
         if not raw:
             return f"token_id:{token_id}"
@@ -69,15 +71,16 @@ class TokenTable:
 
 
 class CompletionLogprobsBuilder:
-    """Builds the legacy ``logprobs`` object of one choice, piece by piece (one call per stream chunk);
-    ``text_offset`` continues across calls, starting at ``start_offset`` characters."""
+    """Builds the legacy ``logprobs`` object of one choice, piece by piece (one call per stream
+    chunk); ``text_offset`` continues across calls, starting at ``start_offset`` characters."""
 
     def __init__(self, table: TokenTable, start_offset: int = 0):
         self.table = table
         self.offset = start_offset
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def add(self, entries: list[TokenLogprobs | None], first_token: int | None = None) -> CompletionLogprobs:
+    def add(self, entries: list[TokenLogprobs | None],
+            first_token: int | None = None) -> CompletionLogprobs:
         """``entries`` in token order; ``first_token`` prepends a token without a logprob (the first
         prompt token under ``echo``)."""
         out = CompletionLogprobs()
@@ -104,5 +107,6 @@ def chat_logprobs(table: TokenTable, entries: list[TokenLogprobs]) -> ChatLogpro
         return TopLogprob(token=table.piece(t), logprob=lp, bytes=list(table.token_bytes[t]))
 
     return ChatLogprobs(content=[
-        ChatTokenLogprob(**top(e.token_id, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top])
+        ChatTokenLogprob(**top(e.token_id, e.logprob).model_dump(),
+                         top_logprobs=[top(t, lp) for t, lp in e.top])
         for e in entries])

@@ -14,7 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from oasiskv.engine.llm_engine import EngineStats, RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -29,35 +30,42 @@ class _EngineCollector:
             ("oasiskv_num_requests_waiting", "Sequences waiting to be scheduled", s.num_waiting),
             ("oasiskv_kv_blocks_total", "KV cache blocks in the pool", s.kv_blocks_total),
             ("oasiskv_kv_blocks_free", "KV cache blocks free", s.kv_blocks_free),
-            ("oasiskv_kv_blocks_used", "KV cache blocks held by sequences", s.kv_blocks_total - s.kv_blocks_free),
+            ("oasiskv_kv_blocks_used", "KV cache blocks held by sequences",
+             s.kv_blocks_total - s.kv_blocks_free),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [
             ("oasiskv_prompt_tokens", "Prompt tokens prefilled", s.prompt_tokens_total),
             ("oasiskv_generation_tokens", "Tokens generated", s.generation_tokens_total),
-            ("oasiskv_num_preemptions", "Sequences preempted for lack of KV blocks", s.num_preemptions),
+            ("oasiskv_num_preemptions", "Sequences preempted for lack of KV blocks",
+             s.num_preemptions),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         # tiered KV (kv_mode=oasis): the last step's gauges and running totals of its counters
         for key, value in s.kv.items():
-            yield GaugeMetricFamily(f"oasiskv_kv_step_{key}", f"Tiered KV, last decode step: {key}", value=value)
+            yield GaugeMetricFamily(f"oasiskv_kv_step_{key}", f"Tiered KV, last decode step: {key}",
+                                    value=value)
         for key, value in s.kv_totals.items():
-            yield CounterMetricFamily(f"oasiskv_kv_{key}", f"Tiered KV, all steps: {key}", value=value)
+            yield CounterMetricFamily(f"oasiskv_kv_{key}", f"Tiered KV, all steps: {key}",
+                                      value=value)
 
 
 class Metrics:
     def __init__(self, stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
-        self.ttft = Histogram("oasiskv_time_to_first_token_seconds", "Arrival to first generated token",
+        self.ttft = Histogram("oasiskv_time_to_first_token_seconds",
+                              "Arrival to first generated token",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("oasiskv_time_per_output_token_seconds", "Mean time between generated tokens "
-                              "of a request", buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("oasiskv_time_per_output_token_seconds",
+                              "Mean time between generated tokens of a request",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("oasiskv_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.finished = Counter("oasiskv_requests_finished", "Engine requests finished, by finish reason",
+        self.finished = Counter("oasiskv_requests_finished",
+                                "Engine requests finished, by finish reason",
                                 ["finish_reason"], registry=self.registry)
 
     def observe(self, out: RequestOutput) -> None:

@@ -72,7 +72,8 @@ class ChatMessage(_Request):
 
     def as_dict(self) -> dict:
         """``{"role", "content"}`` with text parts joined, as ``render_chat`` takes it."""
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        content = (self.content if not isinstance(self.content, list)
+                   else "".join(p.text for p in self.content))
         return {"role": self.role, "content": content}
 
 
@@ -99,8 +100,8 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions shape; ``top_logprobs`` maps token text to logprob and includes the chosen token.
-    With ``echo`` the first prompt token has ``None`` entries (nothing predicts it)."""
+    """Legacy completions shape; ``top_logprobs`` maps token text to logprob and includes the chosen
+    token. With ``echo`` the first prompt token has ``None`` entries (nothing predicts it)."""
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
@@ -119,7 +120,8 @@ def _now() -> int:
 
 
 class CompletionResponse(BaseModel):
-    """A whole completion, or one streamed chunk of it (then ``usage`` is set only on the last chunk)."""
+    """A whole completion, or one streamed chunk of it (then ``usage`` is set only on the last
+    chunk)."""
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)

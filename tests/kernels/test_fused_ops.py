@@ -26,7 +26,8 @@ def test_qk_norm_rope_in_place_on_strided_views(dtype, tol, with_norm):
     qkv = torch.randn(t, (hq + 2 * hk) * d).to(dtype)
     rope = RotaryEmbedding(d, 64, RopeConfig(10000.0))
     positions = torch.tensor([0, 17, 63])
-    weights = ((1 + 0.1 * torch.randn(d)).to(dtype), (1 + 0.1 * torch.randn(d)).to(dtype)) if with_norm else (None, None)
+    weights = (((1 + 0.1 * torch.randn(d)).to(dtype), (1 + 0.1 * torch.randn(d)).to(dtype))
+               if with_norm else (None, None))
 
     def split(buf):
         q, k, _ = buf.split([hq * d, hk * d, hk * d], dim=-1)
@@ -41,7 +42,8 @@ def test_qk_norm_rope_in_place_on_strided_views(dtype, tol, with_norm):
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_silu_mul(dtype, tol):
     x = torch.randn(4, 2 * 40).to(dtype)
-    torch.testing.assert_close(fused_ops.silu_mul(x).float(), reference.silu_mul_ref(x).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(fused_ops.silu_mul(x).float(), reference.silu_mul_ref(x).float(),
+                               rtol=tol, atol=tol)
 
 @pytest.mark.gpu
 def test_fused_ops_gpu_realistic(cuda_device):

@@ -15,10 +15,11 @@ from tests.helpers import capture_graph
 NAN = float("nan")
 
 
-def _case(lens, num_kv_heads, group, head_dim, block_size, dtype, extra_cols=2, poison_blocks=3, seed=0,
-          device="cpu"):
-    """Random q, NaN-poisoned paged caches, a block table over a random permutation of block ids whose
-    unused entries point at all-NaN blocks, and context_lens. Returns (q, k_cache, v_cache, tables, lens)."""
+def _case(lens, num_kv_heads, group, head_dim, block_size, dtype, extra_cols=2, poison_blocks=3,
+          seed=0, device="cpu"):
+    """Random q, NaN-poisoned paged caches, a block table over a random permutation of block ids
+    whose unused entries point at all-NaN blocks, and context_lens. Returns
+    (q, k_cache, v_cache, tables, lens)."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(lens)
     counts = [-(-n // block_size) for n in lens]
@@ -82,23 +83,27 @@ LENS = [37, 0, 100, 16]
 
 
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("block_size,blocks_per_split", [(16, None), (16, 1), (16, 3), (32, None), (32, 1)],
+@pytest.mark.parametrize("block_size,blocks_per_split",
+                         [(16, None), (16, 1), (16, 3), (32, None), (32, 1)],
                          ids=["bs16-1split", "bs16-bps1", "bs16-bps3", "bs32-1split", "bs32-bps1"])
 def test_paged_decode_fp32(group, block_size, blocks_per_split):
-    case = _case(LENS, num_kv_heads=2, group=group, head_dim=64, block_size=block_size, dtype=torch.float32)
+    case = _case(LENS, num_kv_heads=2, group=group, head_dim=64, block_size=block_size,
+                 dtype=torch.float32)
     _run_and_check(case, blocks_per_split, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_decode_split_invariance_and_head_dim_128():
-    case = _case([70, 5, 0], num_kv_heads=1, group=4, head_dim=128, block_size=16, dtype=torch.float32, seed=1)
+    case = _case([70, 5, 0], num_kv_heads=1, group=4, head_dim=128, block_size=16,
+                 dtype=torch.float32, seed=1)
     outs = [_run_and_check(case, bps, rtol=1e-5, atol=1e-5) for bps in (None, 2)]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
 
 def test_paged_decode_bf16_noncontiguous_q():
-    q, k_cache, v_cache, tables, lens = _case([50, 0, 33], num_kv_heads=2, group=2, head_dim=64, block_size=16,
-                                              dtype=torch.bfloat16, seed=2)
-    q_view = torch.cat([q, torch.zeros_like(q)], dim=-1)[..., :64]  # row/head strides of a wider buffer
+    q, k_cache, v_cache, tables, lens = _case([50, 0, 33], num_kv_heads=2, group=2, head_dim=64,
+                                              block_size=16, dtype=torch.bfloat16, seed=2)
+    # row/head strides of a wider buffer
+    q_view = torch.cat([q, torch.zeros_like(q)], dim=-1)[..., :64]
     assert not q_view.is_contiguous()
     # bf16 output: the interpreter truncates fp32 -> bf16 instead of rounding, so allow ~1 ulp.
     _run_and_check((q_view, k_cache, v_cache, tables, lens), 1, rtol=1e-2, atol=1e-2)
@@ -113,19 +118,20 @@ def test_paged_decode_default_splits_long_context():
 
 
 def test_paged_decode_default_splits_with_table_wider_than_contexts():
-    """Graph-style tables (much wider than the contexts): each row spreads its own blocks over the splits."""
-    case = _case([600, 17, 300], num_kv_heads=1, group=2, head_dim=64, block_size=16, dtype=torch.float32,
-                 extra_cols=40, seed=5)
+    """Graph-style tables (much wider than the contexts): each row spreads its own blocks over the
+    splits."""
+    case = _case([600, 17, 300], num_kv_heads=1, group=2, head_dim=64, block_size=16,
+                 dtype=torch.float32, extra_cols=40, seed=5)
     assert default_num_splits(3, 1, case[3].shape[1], 16) > 2
     _run_and_check(case, None, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_decode_all_padding():
-    q, k_cache, v_cache, tables, lens = _case([0, 0], num_kv_heads=1, group=4, head_dim=64, block_size=16,
-                                              dtype=torch.float32, extra_cols=3)
+    q, k_cache, v_cache, tables, lens = _case([0, 0], num_kv_heads=1, group=4, head_dim=64,
+                                              block_size=16, dtype=torch.float32, extra_cols=3)
     for bps in (None, 1):
-        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=torch.full_like(q, NAN),
-                                     blocks_per_split=bps)
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125,
+                                     out=torch.full_like(q, NAN), blocks_per_split=bps)
         assert (out == 0).all()
 
 
@@ -135,7 +141,8 @@ def test_default_num_splits():
     assert default_num_splits(64, 8, 2048, 16) == 1
     # Long contexts at small batch: enough splits to fill the GPU.
     assert default_num_splits(1, 8, 2048, 16) == 61
-    assert default_num_splits(48, 8, 1024, 16) == 4  # 2 splits would leave the second wave half empty
+    # 2 splits would leave the second wave half empty
+    assert default_num_splits(48, 8, 1024, 16) == 4
     assert default_num_splits(24, 8, 2048, 16) == 8
     assert default_num_splits(48, 8, 1024, 16, wave=264) == 2
     assert default_num_splits(8, 8, 1024, 16) == 8
@@ -149,8 +156,8 @@ def _gpu_case(batch, max_len, device, seed):
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, max_len + 1, (batch,), generator=gen)
     lens[::7] = torch.randint(1, 17, lens[::7].shape, generator=gen)  # some very short rows
-    return _case(lens.tolist(), num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16,
-                 seed=seed, device=device)
+    return _case(lens.tolist(), num_kv_heads=8, group=4, head_dim=128, block_size=16,
+                 dtype=torch.bfloat16, seed=seed, device=device)
 
 
 @pytest.mark.gpu
@@ -159,8 +166,8 @@ def test_paged_decode_gpu_realistic(cuda_device, blocks_per_split):
     q, k_cache, v_cache, tables, lens = _gpu_case(64, 16384, cuda_device, seed=4)
     lens[3] = 0
     scale = 1.0 / math.sqrt(128)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=torch.full_like(q, NAN),
-                                 blocks_per_split=blocks_per_split)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                 out=torch.full_like(q, NAN), blocks_per_split=blocks_per_split)
     ref = paged_decode_ref(q, k_cache, v_cache, tables, lens, scale)
     assert out.isfinite().all() and (out[3] == 0).all()
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=2e-3)
@@ -168,20 +175,22 @@ def test_paged_decode_gpu_realistic(cuda_device, blocks_per_split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,block_size,group,head_dim,tol", [
-    (torch.float32, 16, 1, 64, 1e-5), (torch.float16, 32, 4, 128, 2e-3)], ids=["fp32-bs16", "fp16-bs32"])
+    (torch.float32, 16, 1, 64, 1e-5), (torch.float16, 32, 4, 128, 2e-3)],
+    ids=["fp32-bs16", "fp16-bs32"])
 def test_paged_decode_gpu_dtypes(cuda_device, dtype, block_size, group, head_dim, tol):
     lens = torch.randint(1, 4097, (16,), generator=torch.Generator().manual_seed(8)).tolist()
-    case = _case(lens + [0], num_kv_heads=4, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                 seed=8, device=cuda_device)
+    case = _case(lens + [0], num_kv_heads=4, group=group, head_dim=head_dim, block_size=block_size,
+                 dtype=dtype, seed=8, device=cuda_device)
     for bps in (None, 4):
         _run_and_check(case, bps, rtol=10 * tol, atol=tol)
 
 
 @pytest.mark.gpu
 def test_paged_decode_cuda_graph_replay(cuda_device):
-    """Capture once with short contexts, then change q/context_lens/block_tables contents (contexts up
-    to the table's 16K capacity, so more splits in use; padding rows) and replay: the graph's fixed grid
-    must still give the right answer. Block 0 is all NaN and is what unused table entries point at."""
+    """Capture once with short contexts, then change q/context_lens/block_tables contents (contexts
+    up to the table's 16K capacity, so more splits in use; padding rows) and replay: the graph's
+    fixed grid must still give the right answer. Block 0 is all NaN and is what unused table entries
+    point at."""
     batch, max_blocks, num_blocks, scale = 8, 1024, 600, 1.0 / math.sqrt(128)
     gen = torch.Generator(device=cuda_device).manual_seed(5)
     shape = (num_blocks, 8, 16, 128)
@@ -195,7 +204,8 @@ def test_paged_decode_cuda_graph_replay(cuda_device):
     static_out = torch.full_like(static_q, NAN)
 
     def fill(max_len):
-        lens = torch.randint(1, max_len + 1, (batch,), generator=gen, device=cuda_device, dtype=torch.int32)
+        lens = torch.randint(1, max_len + 1, (batch,), generator=gen, device=cuda_device,
+                             dtype=torch.int32)
         lens[1] = 0
         ids = torch.randint(1, num_blocks, (batch, max_blocks), generator=gen, device=cuda_device)
         used = torch.arange(max_blocks, device=cuda_device) < ((lens + 15) // 16)[:, None]
@@ -203,7 +213,8 @@ def test_paged_decode_cuda_graph_replay(cuda_device):
         static_tables.copy_(torch.where(used, ids, 0))
 
     def step():
-        paged_decode_attention(static_q, k_cache, v_cache, static_tables, static_lens, scale, out=static_out)
+        paged_decode_attention(static_q, k_cache, v_cache, static_tables, static_lens, scale,
+                               out=static_out)
 
     fill(64)
     graph = capture_graph(step)

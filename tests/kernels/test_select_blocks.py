@@ -1,10 +1,10 @@
 """select_blocks (the capped selection in one Triton kernel) vs its reference (``kv.selection``'s
-``plan_selection`` on per-row copies of the tables): same tables, plans and counts on random residency
-and scores, including rows with nothing to select, fewer blocks than K, stale blocks past the row's
-end, a K that is not a power of two, and rows naming a subset of the sequence slots out of order.
-Scores are distinct (the kernel breaks ties by block index; torch.topk leaves their order open), so a
-separate test checks ties against the policy's invariants only. CPU runs use the Triton interpreter;
-``-m gpu`` repeats the comparison at the Qwen3-8B shape inside a CUDA graph.
+``plan_selection`` on per-row copies of the tables): same tables, plans and counts on random
+residency and scores, including rows with nothing to select, fewer blocks than K, stale blocks past
+the row's end, a K that is not a power of two, and rows naming a subset of the sequence slots out of
+order. Scores are distinct (the kernel breaks ties by block index; torch.topk leaves their order
+open), so a separate test checks ties against the policy's invariants only. CPU runs use the Triton
+interpreter; ``-m gpu`` repeats the comparison at the Qwen3-8B shape inside a CUDA graph.
 """
 import pytest
 import torch
@@ -20,16 +20,19 @@ def _case(n=5, num_seqs=7, heads=2, k=6, m=11, seed=0, device="cpu"):
     for s in range(num_seqs):
         for h in range(heads):
             filled = int(torch.randint(0, k + 1, (1,), generator=gen))
+            # some past the row's end
             ws_map[s, h, torch.randperm(k, generator=gen)[:filled]] = \
-                torch.randperm(m + 3, generator=gen)[:filled].to(torch.int32)  # some past the row's end
+                torch.randperm(m + 3, generator=gen)[:filled].to(torch.int32)
     ws_map[:, :, k] = 99  # the local slot's column: never read or written
     ws_last = torch.randint(0, 50, (num_seqs, heads, k), generator=gen)
     slots = torch.randperm(num_seqs, generator=gen)[:n]
     complete = torch.randint(0, m + 1, (n,), generator=gen)
     complete[0] = 0  # a row with nothing to select
     complete[1] = m
-    scores = torch.randperm(n * heads * m, generator=gen).float().view(n, heads, m) / 7 - 20  # distinct
-    scores[torch.arange(m)[None, None, :].expand(n, heads, m) >= complete[:, None, None]] = float("-inf")
+    # distinct scores
+    scores = torch.randperm(n * heads * m, generator=gen).float().view(n, heads, m) / 7 - 20
+    scores[torch.arange(m)[None, None, :].expand(n, heads, m)
+           >= complete[:, None, None]] = float("-inf")
     block_tables = torch.randint(0, 1000, (n, m + 2), generator=gen, dtype=torch.int32)
     now = torch.tensor(100)
     return [t.to(device) for t in (scores, ws_map, ws_last, slots, block_tables, now)]
@@ -37,9 +40,10 @@ def _case(n=5, num_seqs=7, heads=2, k=6, m=11, seed=0, device="cpu"):
 
 def _compare(case, k, cap):
     scores, ws_map, ws_last, slots, block_tables, now = case
-    want_map, want_last, want_counters = ws_map.clone(), ws_last.clone(), torch.zeros(3, dtype=torch.long,
-                                                                                       device=ws_map.device)
-    want = select_blocks_ref(scores.clone(), want_map, want_last, slots, block_tables, k, cap, now, want_counters)
+    want_map, want_last, want_counters = (ws_map.clone(), ws_last.clone(),
+                                          torch.zeros(3, dtype=torch.long, device=ws_map.device))
+    want = select_blocks_ref(scores.clone(), want_map, want_last, slots, block_tables, k, cap, now,
+                             want_counters)
     counters = torch.zeros_like(want_counters)
     got = select_blocks(scores.clone(), ws_map, ws_last, slots, block_tables, k, cap, now, counters)
     torch.testing.assert_close(ws_map, want_map, rtol=0, atol=0)
@@ -58,8 +62,8 @@ def test_select_blocks_matches_reference(seed, k, m, cap):
 
 
 def test_select_blocks_ties_keep_the_policy():
-    """All scores equal: exactly min(K, blocks) wanted, the lowest block indices; the cap and empty slots
-    first still hold."""
+    """All scores equal: exactly min(K, blocks) wanted, the lowest block indices; the cap and empty
+    slots first still hold."""
     scores, ws_map, ws_last, slots, block_tables, now = _case(n=2, k=4, m=9, seed=1)
     scores = torch.zeros_like(scores)
     ws_map[slots] = -1
@@ -68,19 +72,22 @@ def test_select_blocks_ties_keep_the_policy():
     for r in range(2):
         for h in range(2):
             assert sorted(ws_map[slots[r], h, :4].tolist()) == [0, 1, 2, 3]
-            assert src[r, h].tolist() == block_tables[r, :4].long().tolist()  # best (lowest index) first
+            # best (lowest index) first
+            assert src[r, h].tolist() == block_tables[r, :4].long().tolist()
             assert dst[r, h].tolist() == [0, 1, 2, 3]
     assert counters.tolist() == [0, 16, 16]
 
 
 @pytest.mark.gpu
 def test_select_blocks_gpu_qwen3_8b_shape_in_a_graph():
-    """64 rows x 8 kv heads, 2,048 blocks (32K tokens), K = 128, cap 7, replayed from a CUDA graph."""
-    scores, ws_map, ws_last, slots, block_tables, now = _case(n=64, num_seqs=80, heads=8, k=128, m=2048, seed=3,
-                                                              device="cuda")
+    """64 rows x 8 kv heads, 2,048 blocks (32K tokens), K = 128, cap 7, replayed from a CUDA
+    graph."""
+    scores, ws_map, ws_last, slots, block_tables, now = _case(n=64, num_seqs=80, heads=8, k=128,
+                                                              m=2048, seed=3, device="cuda")
     want_map, want_last = ws_map.clone(), ws_last.clone()
     want_counters = torch.zeros(3, dtype=torch.long, device="cuda")
-    want = select_blocks_ref(scores, want_map, want_last, slots, block_tables, 128, 7, now, want_counters)
+    want = select_blocks_ref(scores, want_map, want_last, slots, block_tables, 128, 7, now,
+                             want_counters)
     state = [t.clone() for t in (scores, ws_map, ws_last)]
     scratch, tables, stamps = [t.clone() for t in state]
     counters = torch.zeros(3, dtype=torch.long, device="cuda")
@@ -92,6 +99,7 @@ def test_select_blocks_gpu_qwen3_8b_shape_in_a_graph():
     counters.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    for got, expected in zip((tables, stamps, *out["plan"], counters), (want_map, want_last, *want, want_counters)):
+    for got, expected in zip((tables, stamps, *out["plan"], counters),
+                             (want_map, want_last, *want, want_counters)):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert int(want_counters[2]) > 0

@@ -1,10 +1,12 @@
-"""Kernels of the sparse (tiered-KV) decode path vs their torch references vs independent float64 / loop
-computations: sparse_decode_attention, block_scores (+ topk_blocks), gather_blocks, block_minmax.
+"""Kernels of the sparse (tiered-KV) decode path vs their torch references vs independent float64 /
+loop computations: sparse_decode_attention, block_scores (+ topk_blocks), gather_blocks,
+block_minmax.
 
 Inputs are random and non-zero; every place a correct kernel must not read is NaN (empty working-set
-slots, the local slot past its length, sequence slots no row uses, host blocks not selected, summaries
-past a row's num_blocks) and outputs are pre-filled with NaN. CPU runs use the Triton interpreter and
-tiny shapes; ``-m gpu`` runs realistic Qwen3-8B shapes, CUDA-graph replays and pinned-memory reads.
+slots, the local slot past its length, sequence slots no row uses, host blocks not selected,
+summaries past a row's num_blocks) and outputs are pre-filled with NaN. CPU runs use the Triton
+interpreter and tiny shapes; ``-m gpu`` runs realistic Qwen3-8B shapes, CUDA-graph replays and
+pinned-memory reads.
 """
 import math
 
@@ -13,7 +15,8 @@ import torch
 
 from oasiskv.kernels import uva_gather
 from oasiskv.kernels.block_scores import block_scores, topk_blocks
-from oasiskv.kernels.reference import block_minmax_ref, block_scores_ref, gather_blocks_ref, sparse_decode_ref
+from oasiskv.kernels.reference import (block_minmax_ref, block_scores_ref, gather_blocks_ref,
+                                       sparse_decode_ref)
 from oasiskv.kernels.sparse_decode import sparse_decode_attention
 from oasiskv.kernels.summaries import block_minmax
 from oasiskv.kernels.uva_gather import gather_blocks
@@ -25,8 +28,8 @@ NAN = float("nan")
 # ---------------------------------------------------------------- sparse_decode_attention
 
 
-def _ws_case(rows, num_kv_heads, group, head_dim, dtype, num_seqs=4, num_slots=5, block_size=16, seed=0,
-             device="cpu"):
+def _ws_case(rows, num_kv_heads, group, head_dim, dtype, num_seqs=4, num_slots=5, block_size=16,
+             seed=0, device="cpu"):
     """Working set ``[S, Hk, W, B, D]`` with random ws_map (about a third of the slots empty, NaN),
     NaN local-slot tails past the longest local length of the sequence's rows, NaN sequence slots no
     row uses. ``rows``: list of (seq_slot, local_len). Sequence slot 1 holds no block at all.
@@ -53,11 +56,12 @@ def _ws_case(rows, num_kv_heads, group, head_dim, dtype, num_seqs=4, num_slots=5
     q = torch.randn(len(rows), num_kv_heads * group, head_dim, generator=gen)
     seq_slots = torch.tensor([s for s, _ in rows], dtype=torch.int32)
     local_lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
-    return [t.to(device) for t in (q.to(dtype), ws_k.to(dtype), ws_v.to(dtype), ws_map, seq_slots, local_lens)]
+    return [t.to(device) for t in (q.to(dtype), ws_k.to(dtype), ws_v.to(dtype), ws_map, seq_slots,
+                                   local_lens)]
 
 
-def _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_rows=None, extra_k=None,
-                  extra_v=None):
+def _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_rows=None,
+                  extra_k=None, extra_v=None):
     """Independent float64 attention: collect each (row, kv head)'s valid tokens one by one; a draft
     row (``draft_rows``) gets its row's tokens plus its own extra key/value."""
     q, ws_k, ws_v, ws_map = q.cpu().double(), ws_k.cpu().double(), ws_v.cpu().double(), ws_map.cpu()
@@ -70,7 +74,8 @@ def _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_row
         if s < 0:
             continue
         for h in range(num_kv_heads):
-            toks = [(j, t) for j in range(num_slots - 1) if ws_map[s, h, j] >= 0 for t in range(block_size)]
+            toks = [(j, t) for j in range(num_slots - 1) if ws_map[s, h, j] >= 0
+                    for t in range(block_size)]
             toks += [(num_slots - 1, t) for t in range(local)]
             keys = [ws_k[s, h, j, t] for j, t in toks]
             values = [ws_v[s, h, j, t] for j, t in toks]
@@ -89,7 +94,8 @@ def _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_row
 
 
 # (seq slot, local len): two rows share sequence 0 (real + draft row), a padding row with a stale
-# local length, a row with nothing to attend, a full local block, a row attending only its local block.
+# local length, a row with nothing to attend, a full local block, a row attending only its local
+# block.
 ROWS = [(0, 5), (0, 6), (-1, 3), (1, 0), (2, 16), (1, 7)]
 
 
@@ -104,14 +110,16 @@ def _run_sparse(case, num_splits, rtol, atol):
     dense = _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale)
     torch.testing.assert_close(got.float(), ref.float(), rtol=rtol, atol=atol)
     torch.testing.assert_close(ref.double().cpu(), dense.to(q.dtype).double(), rtol=rtol, atol=atol)
-    nothing = (seq_slots < 0) | ((local_lens == 0) & (ws_map[seq_slots.clamp(min=0).long(), :, :-1] < 0)
+    nothing = (seq_slots < 0) | ((local_lens == 0)
+                                 & (ws_map[seq_slots.clamp(min=0).long(), :, :-1] < 0)
                                  .flatten(1).all(1))
     assert (got[nothing] == 0).all()
     return got
 
 
 @pytest.mark.parametrize("group,head_dim", [(1, 32), (2, 64)])
-@pytest.mark.parametrize("num_splits", [None, 2, 3], ids=["default", "splits2", "splits3-one-empty"])
+@pytest.mark.parametrize("num_splits", [None, 2, 3],
+                         ids=["default", "splits2", "splits3-one-empty"])
 def test_sparse_decode_fp32(group, head_dim, num_splits):
     case = _ws_case(ROWS, num_kv_heads=2, group=group, head_dim=head_dim, dtype=torch.float32)
     _run_sparse(case, num_splits, rtol=1e-5, atol=1e-5)
@@ -123,8 +131,9 @@ def test_sparse_decode_draft_rows(group, num_splits):
     """Lookahead: draft rows ride in their row's program and add their own key/value; rows without a
     draft, a padding row's draft (zeros) and a draft whose row attends nothing else."""
     rows = [(0, 5), (-1, 3), (1, 0), (2, 16), (3, 1)]
-    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(rows, num_kv_heads=2, group=group, head_dim=32,
-                                                            dtype=torch.float32, seed=4)
+    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(rows, num_kv_heads=2, group=group,
+                                                            head_dim=32, dtype=torch.float32,
+                                                            seed=4)
     gen = torch.Generator().manual_seed(5)
     draft_rows = torch.tensor([6, 5, 7, -1, 8], dtype=torch.int32)  # q rows 5..8, out of order
     q = torch.cat([q, torch.randn(4, *q.shape[1:], generator=gen)])
@@ -132,48 +141,56 @@ def test_sparse_decode_draft_rows(group, num_splits):
     scale = 0.3
     out = torch.full_like(q, NAN)
     got = sparse_decode_attention(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, out=out,
-                                  num_splits=num_splits, draft_rows=draft_rows, extra_k=extra_k, extra_v=extra_v)
+                                  num_splits=num_splits, draft_rows=draft_rows, extra_k=extra_k,
+                                  extra_v=extra_v)
     assert got is out and got.isfinite().all()
-    ref = sparse_decode_ref(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_rows=draft_rows,
-                            extra_k=extra_k, extra_v=extra_v)
-    dense = _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_rows, extra_k, extra_v)
+    ref = sparse_decode_ref(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale,
+                            draft_rows=draft_rows, extra_k=extra_k, extra_v=extra_v)
+    dense = _dense_sparse(q, ws_k, ws_v, ws_map, seq_slots, local_lens, scale, draft_rows, extra_k,
+                          extra_v)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ref.double(), dense, rtol=1e-5, atol=1e-5)
     assert (got[1] == 0).all() and (got[5] == 0).all()  # the padding row and its draft
     assert not (got[7] == 0).all()  # row 2 attends nothing, its draft attends itself
-    plain = sparse_decode_attention(q[:5], ws_k, ws_v, ws_map, seq_slots, local_lens, scale, num_splits=num_splits)
-    torch.testing.assert_close(got[:5], plain, rtol=1e-6, atol=1e-6)  # real rows unchanged by drafts
+    plain = sparse_decode_attention(q[:5], ws_k, ws_v, ws_map, seq_slots, local_lens, scale,
+                                    num_splits=num_splits)
+    # real rows unchanged by drafts
+    torch.testing.assert_close(got[:5], plain, rtol=1e-6, atol=1e-6)
 
 
 def test_sparse_decode_split_invariance_block32_group4():
-    """Block size 32 (2 slots per iteration), many splits (most of them empty): same result as one split."""
-    case = _ws_case([(0, 31), (2, 1), (3, 32)], num_kv_heads=1, group=4, head_dim=32, dtype=torch.float32,
-                    num_slots=6, block_size=32, seed=1)
+    """Block size 32 (2 slots per iteration), many splits (most of them empty): same result as one
+    split."""
+    case = _ws_case([(0, 31), (2, 1), (3, 32)], num_kv_heads=1, group=4, head_dim=32,
+                    dtype=torch.float32, num_slots=6, block_size=32, seed=1)
     outs = [_run_sparse(case, s, rtol=1e-5, atol=1e-5) for s in (1, 8)]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
 
 def test_sparse_decode_only_local_slot():
     """W = 1: the working set is just the local block."""
-    case = _ws_case([(0, 9), (1, 0), (0, 16)], num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
-                    num_slots=1, seed=3)
+    case = _ws_case([(0, 9), (1, 0), (0, 16)], num_kv_heads=2, group=2, head_dim=32,
+                    dtype=torch.float32, num_slots=1, seed=3)
     _run_sparse(case, None, rtol=1e-5, atol=1e-5)
 
 
 def test_sparse_decode_bf16_noncontiguous_q_and_layer_view():
-    """bf16 (the interpreter truncates fp32 -> bf16 on store: ~1 ulp); q a strided view; the working set
-    one layer of a [L, S, Hk, W, B, D] buffer."""
-    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(ROWS, num_kv_heads=2, group=2, head_dim=64,
-                                                            dtype=torch.bfloat16, seed=2)
+    """bf16 (the interpreter truncates fp32 -> bf16 on store: ~1 ulp); q a strided view; the working
+    set one layer of a [L, S, Hk, W, B, D] buffer."""
+    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(ROWS, num_kv_heads=2, group=2,
+                                                            head_dim=64, dtype=torch.bfloat16,
+                                                            seed=2)
     q_view = torch.cat([q, torch.zeros_like(q)], dim=-1)[..., :64]
     layers_k = torch.stack([torch.full_like(ws_k, NAN), ws_k])
     layers_v = torch.stack([torch.full_like(ws_v, NAN), ws_v])
-    _run_sparse((q_view, layers_k[1], layers_v[1], ws_map, seq_slots, local_lens), 2, rtol=1e-2, atol=1e-2)
+    _run_sparse((q_view, layers_k[1], layers_v[1], ws_map, seq_slots, local_lens), 2, rtol=1e-2,
+                atol=1e-2)
 
 
 def test_sparse_decode_all_padding():
-    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case([(-1, 4), (-1, 0)], num_kv_heads=1, group=2,
-                                                            head_dim=32, dtype=torch.float32)
+    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case([(-1, 4), (-1, 0)], num_kv_heads=1,
+                                                            group=2, head_dim=32,
+                                                            dtype=torch.float32)
     for splits in (None, 2):
         out = sparse_decode_attention(q, ws_k, ws_v, ws_map, seq_slots, local_lens, 0.125,
                                       out=torch.full_like(q, NAN), num_splits=splits)
@@ -183,10 +200,10 @@ def test_sparse_decode_all_padding():
 # ---------------------------------------------------------------- block_scores / topk_blocks
 
 
-def _scores_case(num_blocks, num_kv_heads, group, head_dim, num_host_blocks=48, max_blocks=40, seed=0,
-                 dtype=torch.float32, device="cpu"):
-    """Keys of every host block, summaries computed from them (max/min over tokens), NaN summaries for
-    host blocks no row uses, block-table entries past num_blocks pointing at those.
+def _scores_case(num_blocks, num_kv_heads, group, head_dim, num_host_blocks=48, max_blocks=40,
+                 seed=0, dtype=torch.float32, device="cpu"):
+    """Keys of every host block, summaries computed from them (max/min over tokens), NaN summaries
+    for host blocks no row uses, block-table entries past num_blocks pointing at those.
     Returns (q, keys ``[blocks, Hk, B, D]``, summaries, block_tables, num_blocks)."""
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(num_host_blocks, num_kv_heads, 16, head_dim, generator=gen).to(dtype)
@@ -215,17 +232,20 @@ def _scores_float64(q, summaries, tables, num_blocks, alpha):
             c, r = (hi + lo) / 2, (hi - lo) / 2
             for h in range(num_kv_heads):
                 qs = q[row, h * group:(h + 1) * group]
-                out[row, h, b] = sum(qs[g] @ c[h] + alpha * qs[g].abs() @ r[h] for g in range(group))
+                out[row, h, b] = sum(qs[g] @ c[h] + alpha * qs[g].abs() @ r[h]
+                                     for g in range(group))
     return out
 
 
-# num_blocks: a multi-tile row (32 blocks per program), a row without complete blocks, a short row, a full one.
+# num_blocks: a multi-tile row (32 blocks per program), a row without complete blocks, a short row,
+# a full one.
 NUM_BLOCKS = [37, 0, 5, 40]
 
 
 @pytest.mark.parametrize("group,alpha", [(1, 1.0), (2, 1.0), (4, 0.5)])
 def test_block_scores(group, alpha):
-    q, keys, summaries, tables, num_blocks = _scores_case(NUM_BLOCKS, num_kv_heads=2, group=group, head_dim=32)
+    q, keys, summaries, tables, num_blocks = _scores_case(NUM_BLOCKS, num_kv_heads=2, group=group,
+                                                          head_dim=32)
     out = torch.full((4, 2, tables.shape[1]), NAN)
     got = block_scores(q, summaries, tables, num_blocks, alpha, out=out)
     ref = block_scores_ref(q, summaries, tables, num_blocks, alpha)
@@ -239,10 +259,10 @@ def test_block_scores(group, alpha):
 
 
 def test_block_scores_upper_bound_every_key():
-    """With alpha = 1 and summaries from the real keys, the score bounds sum_g q_g . k for every key k of
-    the block (the Quest bound: max over the box of q . k is q . c + |q| . r, per head)."""
-    q, keys, summaries, tables, num_blocks = _scores_case(NUM_BLOCKS, num_kv_heads=2, group=2, head_dim=32,
-                                                          seed=4)
+    """With alpha = 1 and summaries from the real keys, the score bounds sum_g q_g . k for every key
+    k of the block (the Quest bound: max over the box of q . k is q . c + |q| . r, per head)."""
+    q, keys, summaries, tables, num_blocks = _scores_case(NUM_BLOCKS, num_kv_heads=2, group=2,
+                                                          head_dim=32, seed=4)
     got = block_scores(q, summaries, tables, num_blocks, 1.0)
     q_sum = q.double().view(4, 2, 2, 32).sum(2)  # [N, Hk, D]
     for row, n in enumerate(num_blocks.tolist()):
@@ -252,14 +272,16 @@ def test_block_scores_upper_bound_every_key():
 
 
 def test_block_scores_bf16_summaries():
-    q, _, summaries, tables, num_blocks = _scores_case(NUM_BLOCKS, num_kv_heads=2, group=2, head_dim=64,
-                                                       dtype=torch.bfloat16, seed=5)
+    q, _, summaries, tables, num_blocks = _scores_case(NUM_BLOCKS, num_kv_heads=2, group=2,
+                                                       head_dim=64, dtype=torch.bfloat16, seed=5)
     got = block_scores(q, summaries, tables, num_blocks, 1.0, out=torch.full((4, 2, 40), NAN))
-    torch.testing.assert_close(got, block_scores_ref(q, summaries, tables, num_blocks, 1.0), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, block_scores_ref(q, summaries, tables, num_blocks, 1.0),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_topk_blocks_clamps_k_and_orders():
-    scores = torch.tensor([[[0.5, 3.0, float("-inf"), 1.0]], [[2.0, float("-inf"), float("-inf"), float("-inf")]]])
+    scores = torch.tensor([[[0.5, 3.0, float("-inf"), 1.0]],
+                           [[2.0, float("-inf"), float("-inf"), float("-inf")]]])
     values, indices = topk_blocks(scores, 2)
     assert indices[0, 0].tolist() == [1, 3] and values[1, 0, 1] == float("-inf")
     values, indices = topk_blocks(scores, 10)
@@ -270,8 +292,9 @@ def test_topk_blocks_clamps_k_and_orders():
 # ---------------------------------------------------------------- gather_blocks
 
 
-def _host_case(num_host_blocks=12, num_layers=2, num_kv_heads=2, block_size=16, head_dim=32, num_seqs=4,
-               num_slots=5, m=10, dtype=torch.bfloat16, index_dtype=torch.int32, seed=0, device="cpu", pin=False):
+def _host_case(num_host_blocks=12, num_layers=2, num_kv_heads=2, block_size=16, head_dim=32,
+               num_seqs=4, num_slots=5, m=10, dtype=torch.bfloat16, index_dtype=torch.int32, seed=0,
+               device="cpu", pin=False):
     """Host store with a few selected blocks (the rest NaN), NaN working set, and items reading the
     selected blocks at random heads into distinct random slots; about a quarter are padding (-1)."""
     gen = torch.Generator().manual_seed(seed)
@@ -306,9 +329,9 @@ def _loop_gather(host_k, host_v, layer, ws_k, ws_v, src_block, src_head, dst_slo
 
 
 @pytest.mark.parametrize("fn", [gather_blocks, gather_blocks_ref], ids=["triton", "ref"])
-@pytest.mark.parametrize("num_programs,items,index_dtype", [(64, 1, torch.int32), (3, 1, torch.int64),
-                                                            (1, 1, torch.int32), (2, 4, torch.int32),
-                                                            (1, 16, torch.int64)])
+@pytest.mark.parametrize("num_programs,items,index_dtype",
+                         [(64, 1, torch.int32), (3, 1, torch.int64), (1, 1, torch.int32),
+                          (2, 4, torch.int32), (1, 16, torch.int64)])
 def test_gather_blocks(fn, num_programs, items, index_dtype):
     """Also tiles of several items per iteration, with a partial last tile (M = 10)."""
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(index_dtype=index_dtype)
@@ -323,7 +346,8 @@ def test_gather_blocks(fn, num_programs, items, index_dtype):
 
 
 def test_gather_blocks_chunked_slices_and_empty(monkeypatch):
-    """Slices larger than one load (forced small chunk): several loads per slice; M = 0 is a no-op."""
+    """Slices larger than one load (forced small chunk): several loads per slice; M = 0 is a
+    no-op."""
     monkeypatch.setattr(uva_gather, "_MAX_CHUNK", 256)
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(head_dim=64, m=6, seed=1)
     want_k, want_v = ws_k.clone(), ws_v.clone()
@@ -340,7 +364,8 @@ def test_gather_blocks_chunked_slices_and_empty(monkeypatch):
 
 def _loop_minmax(src, idx0, idx1, summaries, dst_block, dst_head, num_tokens=None):
     """Independent per-item max/min in float64."""
-    for i, (a, b, d, h) in enumerate(zip(idx0.tolist(), idx1.tolist(), dst_block.tolist(), dst_head.tolist())):
+    for i, (a, b, d, h) in enumerate(zip(idx0.tolist(), idx1.tolist(), dst_block.tolist(),
+                                         dst_head.tolist())):
         n = src.shape[2] if num_tokens is None else int(num_tokens[i])
         if d >= 0 and n > 0:
             block = src[a, b, :n].double()
@@ -352,7 +377,8 @@ def _loop_minmax(src, idx0, idx1, summaries, dst_block, dst_head, num_tokens=Non
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_minmax_from_host_layer_view(fn, dtype):
     host_k, _, _, _, _, _, _ = _host_case(dtype=dtype, seed=2)
-    host_k[torch.isnan(host_k)] = 3.0  # every block readable here; the unused items below are skipped
+    # every block readable here; the unused items below are skipped
+    host_k[torch.isnan(host_k)] = 3.0
     src = host_k[:, 1]  # [blocks, Hk, B, D], block stride L * Hk * B * D
     assert not src.is_contiguous()
     idx0 = torch.tensor([3, 0, 11, 7, 5], dtype=torch.int32)
@@ -368,13 +394,15 @@ def test_block_minmax_from_host_layer_view(fn, dtype):
 
 @pytest.mark.parametrize("fn", [block_minmax, block_minmax_ref], ids=["triton", "ref"])
 def test_block_minmax_from_local_slots_with_num_tokens(fn):
-    """src = the local slots ``ws_k[:, :, W-1]`` of a working set; num_tokens limits the reduction (0 skips)."""
+    """src = the local slots ``ws_k[:, :, W-1]`` of a working set; num_tokens limits the reduction
+    (0 skips)."""
     _, _, ws_k, _, _, _, _ = _host_case(seed=3, dtype=torch.float32)
     ws_k.normal_()
     tokens = torch.tensor([16, 5, 0, 1, 16])
     seq = torch.tensor([0, 1, 2, 3, 3])
     head = torch.tensor([1, 0, 1, 1, 0])
-    for i in range(5):  # tails past num_tokens must not be read: +-1e4 there would move max or min
+    # tails past num_tokens must not be read: +-1e4 there would move max or min
+    for i in range(5):
         tail = ws_k[seq[i], head[i], -1, tokens[i]:]  # (NaN would not do: max/min may skip NaN)
         tail.copy_(1e4 * torch.randn(tail.shape).sign())
     src = ws_k[:, :, -1]
@@ -387,18 +415,20 @@ def test_block_minmax_from_local_slots_with_num_tokens(fn):
     assert int((~summaries.isnan()).sum()) == 4 * 2 * 32 and summaries[4].isnan().all()
 
 
-# ---------------------------------------------------------------- GPU (compiled) tests: Qwen3-8B shapes
+# ------------------------------------------------------------ GPU (compiled) tests: Qwen3-8B shapes
 
 HQ, HK, D, B, K_SLOTS = 32, 8, 128, 16, 128
 
 
 def _gpu_ws_case(device, seed, num_rows=64, num_seqs=40):
     gen = torch.Generator().manual_seed(seed)
-    rows = [(int(s), int(n)) for s, n in zip(torch.randint(0, num_seqs - 4, (num_rows,), generator=gen),
-                                             torch.randint(0, B + 1, (num_rows,), generator=gen))]
+    rows = [(int(s), int(n))
+            for s, n in zip(torch.randint(0, num_seqs - 4, (num_rows,), generator=gen),
+                            torch.randint(0, B + 1, (num_rows,), generator=gen))]
     rows[5] = (-1, 3)
-    return _ws_case(rows, num_kv_heads=HK, group=HQ // HK, head_dim=D, dtype=torch.bfloat16, num_seqs=num_seqs,
-                    num_slots=K_SLOTS + 1, block_size=B, seed=seed, device=device)
+    return _ws_case(rows, num_kv_heads=HK, group=HQ // HK, head_dim=D, dtype=torch.bfloat16,
+                    num_seqs=num_seqs, num_slots=K_SLOTS + 1, block_size=B, seed=seed,
+                    device=device)
 
 
 @pytest.mark.gpu
@@ -441,10 +471,11 @@ def test_sparse_decode_cuda_graph_replay(cuda_device):
 def test_block_scores_gpu_realistic(cuda_device):
     gen = torch.Generator().manual_seed(11)
     num_blocks = torch.randint(0, 2049, (64,), generator=gen).tolist()
-    q, _, summaries, tables, nb = _scores_case(num_blocks, num_kv_heads=HK, group=HQ // HK, head_dim=D,
-                                               num_host_blocks=4096, max_blocks=2048, dtype=torch.bfloat16,
-                                               seed=11, device=cuda_device)
-    got = block_scores(q, summaries, tables, nb, 1.0, out=torch.full((64, HK, 2048), NAN, device=cuda_device))
+    q, _, summaries, tables, nb = _scores_case(num_blocks, num_kv_heads=HK, group=HQ // HK,
+                                               head_dim=D, num_host_blocks=4096, max_blocks=2048,
+                                               dtype=torch.bfloat16, seed=11, device=cuda_device)
+    got = block_scores(q, summaries, tables, nb, 1.0,
+                       out=torch.full((64, HK, 2048), NAN, device=cuda_device))
     ref = block_scores_ref(q, summaries, tables, nb, 1.0)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-2)
     values, indices = topk_blocks(got, K_SLOTS)
@@ -452,8 +483,8 @@ def test_block_scores_gpu_realistic(cuda_device):
 
 
 def _pinned_case(device, seed, m=4096):
-    return _host_case(num_host_blocks=512, num_layers=4, num_kv_heads=HK, block_size=B, head_dim=D, num_seqs=8,
-                      num_slots=K_SLOTS + 1, m=m, seed=seed, device=device, pin=True)
+    return _host_case(num_host_blocks=512, num_layers=4, num_kv_heads=HK, block_size=B, head_dim=D,
+                      num_seqs=8, num_slots=K_SLOTS + 1, m=m, seed=seed, device=device, pin=True)
 
 
 @pytest.mark.gpu
@@ -463,7 +494,8 @@ def test_gather_blocks_gpu_pinned(cuda_device, num_programs):
     assert host_k.is_pinned()
     want_k, want_v = ws_k.clone(), ws_v.clone()
     gather_blocks_ref(host_k, host_v, 2, want_k, want_v, src_block, src_head, dst_slot)
-    gather_blocks(host_k, host_v, 2, ws_k, ws_v, src_block, src_head, dst_slot, num_programs=num_programs)
+    gather_blocks(host_k, host_v, 2, ws_k, ws_v, src_block, src_head, dst_slot,
+                  num_programs=num_programs)
     torch.cuda.synchronize()
     torch.testing.assert_close(ws_k, want_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(ws_v, want_v, rtol=0, atol=0, equal_nan=True)
@@ -471,8 +503,8 @@ def test_gather_blocks_gpu_pinned(cuda_device, num_programs):
 
 @pytest.mark.gpu
 def test_gather_blocks_cuda_graph_reads_pinned_memory_at_replay(cuda_device):
-    """Capture a gather from pinned host memory, then rewrite the host store and the index lists on the
-    host side and replay: the working set must hold the data as it was at replay time."""
+    """Capture a gather from pinned host memory, then rewrite the host store and the index lists on
+    the host side and replay: the working set must hold the data as it was at replay time."""
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _pinned_case(cuda_device, seed=13)
 
     def step():
@@ -517,12 +549,13 @@ def test_block_minmax_gpu_pinned_and_device_sources(cuda_device):
 
 
 def test_gather_blocks_reads_expanded_index_views_correctly():
-    """Index lists may arrive as stride-0 expanded views (one block for every head): the wrapper must
-    not read them as packed arrays."""
+    """Index lists may arrive as stride-0 expanded views (one block for every head): the wrapper
+    must not read them as packed arrays."""
     from oasiskv.kernels.reference import gather_blocks_ref
     from oasiskv.kernels.uva_gather import gather_blocks
     host_k, host_v = torch.randn(4, 2, 3, 16, 32), torch.randn(4, 2, 3, 16, 32)
-    got_k, got_v = torch.full((2, 3, 5, 16, 32), float("nan")), torch.full((2, 3, 5, 16, 32), float("nan"))
+    got_k, got_v = (torch.full((2, 3, 5, 16, 32), float("nan")),
+                    torch.full((2, 3, 5, 16, 32), float("nan")))
     want_k, want_v = got_k.clone(), got_v.clone()
     src = torch.tensor([2]).expand(3)          # stride 0
     heads, dst = torch.arange(3), torch.tensor([4, 9, 14])

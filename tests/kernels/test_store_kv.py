@@ -6,10 +6,10 @@ from oasiskv.kernels.reference import store_kv_ref
 from oasiskv.kernels.store_kv import store_kv
 
 
-def _inputs(n, num_heads, head_dim, num_blocks, block_size, src_dtype, cache_dtype, slot_dtype, device="cpu",
-            seed=0):
-    """k/v as non-contiguous views into a fused qkv buffer, NaN-filled caches and a slot mapping with
-    unique slots, about a quarter of them negative (padding)."""
+def _inputs(n, num_heads, head_dim, num_blocks, block_size, src_dtype, cache_dtype, slot_dtype,
+            device="cpu", seed=0):
+    """k/v as non-contiguous views into a fused qkv buffer, NaN-filled caches and a slot mapping
+    with unique slots, about a quarter of them negative (padding)."""
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(n, 3 * num_heads * head_dim, generator=gen).to(src_dtype)
     k = qkv[:, num_heads * head_dim:2 * num_heads * head_dim].view(n, num_heads, head_dim)
@@ -56,18 +56,21 @@ def test_store_kv_exact(fn, dtype, slot_dtype, block_size):
 
 @pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
 def test_store_kv_casts_and_odd_shapes(fn):
-    """fp32 -> bf16 cast (the interpreter truncates instead of rounding: allow one bf16 ulp), 3 heads."""
-    k, v, k_cache, v_cache, slots = _inputs(9, 3, 32, 3, 16, torch.float32, torch.bfloat16, torch.int64, seed=1)
+    """fp32 -> bf16 cast (the interpreter truncates instead of rounding: allow one bf16 ulp),
+    3 heads."""
+    k, v, k_cache, v_cache, slots = _inputs(9, 3, 32, 3, 16, torch.float32, torch.bfloat16,
+                                            torch.int64, seed=1)
     fn(k, v, k_cache, v_cache, slots)
     _check(k, v, k_cache, v_cache, slots, rtol=8e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
 def test_store_kv_into_host_store_layer_view(fn):
-    """Caches that are one layer of the tiered host store ``[blocks, layers, Hk, B, D]`` (block stride
-    layers * Hk * B * D, separate K and V stores): only that layer's written slots change."""
+    """Caches that are one layer of the tiered host store ``[blocks, layers, Hk, B, D]`` (block
+    stride layers * Hk * B * D, separate K and V stores): only that layer's written slots change."""
     num_layers, layer = 3, 1
-    k, v, _, _, slots = _inputs(10, 2, 32, 4, 16, torch.bfloat16, torch.bfloat16, torch.int32, seed=2)
+    k, v, _, _, slots = _inputs(10, 2, 32, 4, 16, torch.bfloat16, torch.bfloat16, torch.int32,
+                                seed=2)
     host_k = torch.full((4, num_layers, 2, 16, 32), float("nan"), dtype=torch.bfloat16)
     host_v = torch.full_like(host_k, float("nan"))
     k_view, v_view = host_k[:, layer], host_v[:, layer]
@@ -80,7 +83,8 @@ def test_store_kv_into_host_store_layer_view(fn):
 
 
 def test_store_kv_all_padding_and_empty():
-    k, v, k_cache, v_cache, slots = _inputs(4, 2, 16, 2, 16, torch.float32, torch.float32, torch.int64)
+    k, v, k_cache, v_cache, slots = _inputs(4, 2, 16, 2, 16, torch.float32, torch.float32,
+                                            torch.int64)
     store_kv(k, v, k_cache, v_cache, torch.full_like(slots, -1))
     store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])
     assert k_cache.isnan().all() and v_cache.isnan().all()

@@ -1,5 +1,5 @@
-"""wait_ready: returns at once when the counter is there, flags a timeout when it never comes, and (GPU)
-holds its stream, inside a CUDA graph too, until another stream advances the counter."""
+"""wait_ready: returns at once when the counter is there, flags a timeout when it never comes, and
+(GPU) holds its stream, inside a CUDA graph too, until another stream advances the counter."""
 import pytest
 import torch
 
@@ -8,7 +8,8 @@ from oasiskv.kernels.wait_ready import wait_ready
 
 
 def _scalars(done: int, target: int, device="cpu"):
-    return (torch.tensor(done, dtype=torch.long, device=device), torch.tensor(target, dtype=torch.long, device=device),
+    return (torch.tensor(done, dtype=torch.long, device=device),
+            torch.tensor(target, dtype=torch.long, device=device),
             torch.zeros(1, dtype=torch.int32, device=device))
 
 
@@ -57,7 +58,8 @@ def test_wait_ready_holds_its_stream_until_another_stream_advances(cuda_device, 
     for step in range(1, 4):
         target.fill_(step)
         torch.cuda.synchronize()
-        _advance_later(done, step, producer, 50_000_000)  # ~25 ms: the consumer is launched well before
+        # ~25 ms: the consumer is launched well before
+        _advance_later(done, step, producer, 50_000_000)
         with torch.cuda.stream(consumer):
             run()
         torch.cuda.synchronize()

@@ -1,5 +1,6 @@
-"""Session fixtures: one shared demo-model server (``server``) for the whole test session; tests that
-need other flags (API key, queue bound) or kill their server start their own ``ServerProcess``.
+"""Session fixtures: one shared demo-model server (``server``) for the whole test session; tests
+that need other flags (API key, queue bound) or kill their server start their own
+``ServerProcess``.
 """
 from __future__ import annotations
 

@@ -30,17 +30,20 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve", "--port", str(self.port),
-               "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(NUM_KV_BLOCKS), *flags]
+        cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve",
+               "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN),
+               "--num-kv-blocks", str(NUM_KV_BLOCKS), *flags]
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self._wait_healthy()
 
     def _wait_healthy(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                                   f"{self.log_path.read_text()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return
@@ -68,7 +71,8 @@ class ServerProcess:
                 if line and not line.startswith("#") and "{" not in line}
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
-        """Poll until no request runs or waits and every KV block is free; returns the last metrics."""
+        """Poll until no request runs or waits and every KV block is free; returns the last
+        metrics."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()

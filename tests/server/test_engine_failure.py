@@ -1,6 +1,6 @@
-"""Engine failures through the HTTP API (app and uvicorn in this process, so faults can be injected):
-the affected requests get a 500 ``server_error`` (or an error event mid-stream), their KV is freed,
-and the server keeps serving."""
+"""Engine failures through the HTTP API (app and uvicorn in this process, so faults can be
+injected): the affected requests get a 500 ``server_error`` (or an error event mid-stream), their KV
+is freed, and the server keeps serving."""
 from __future__ import annotations
 
 import json
@@ -35,7 +35,8 @@ class FailAfter:
 def live():
     engine = LLMEngine(max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_KV_BLOCKS)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -50,12 +51,14 @@ def live():
 
 def _kv_free(http) -> bool:
     text = http.get("/metrics").text
-    values = {line.split()[0]: line.split()[1] for line in text.splitlines() if line.startswith("oasiskv_kv_blocks")}
+    values = {line.split()[0]: line.split()[1] for line in text.splitlines()
+              if line.startswith("oasiskv_kv_blocks")}
     return values["oasiskv_kv_blocks_free"] == values["oasiskv_kv_blocks_total"]
 
 
 def _check_recovered(http) -> None:
-    ok = http.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 4, "ignore_eos": True})
+    ok = http.post("/v1/completions",
+                   json={"prompt": "def f():", "max_tokens": 4, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     deadline = time.monotonic() + 5
     while not _kv_free(http):
@@ -89,6 +92,7 @@ def test_exception_escaping_step_fails_requests_and_keeps_serving(live, monkeypa
 def test_chat_failure_is_a_500(live, monkeypatch):
     engine, http = live
     monkeypatch.setattr(engine, "step", FailAfter(engine.step))
-    resp = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
+    resp = http.post("/v1/chat/completions",
+                     json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
     assert assert_openai_error(resp, 500)["type"] == "server_error"
     _check_recovered(http)

@@ -16,7 +16,8 @@ COMPLETION_CASES = [
     ({"prompt": "hi", "n": True}, 422, "n"),
     ({"prompt": 3}, 422, "prompt"),
     ({"max_tokens": 4}, 422, "prompt"),
-    ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, 422, "stream_options.include_usage"),
+    ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, 422,
+     "stream_options.include_usage"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
@@ -51,15 +52,20 @@ CHAT_CASES = [
     ({"messages": [{"role": "user"}]}, 400, "messages"),
     ({"messages": [{"content": "hi"}]}, 422, "messages.0.role"),
     ({"messages": "hi"}, 422, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 422, None),
+    ({"messages": [{"role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     422, None),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9},
+     400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, 422, "logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     400, "tools"),
     ({"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "prompt"),
 ]
 
@@ -82,7 +88,8 @@ def test_bad_chat_requests(http, body, status, param):
 
 
 def test_bad_streaming_request_fails_before_the_stream(http):
-    resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": MAX_MODEL_LEN, "stream": True})
+    resp = http.post("/v1/completions",
+                     json={"prompt": "hi", "max_tokens": MAX_MODEL_LEN, "stream": True})
     assert_openai_error(resp, 400, "max_tokens")
 
 
@@ -93,7 +100,8 @@ def test_malformed_bodies(http):
     assert_openai_error(http.post("/v1/completions", content=b"[1, 2]", headers=headers), 422)
     for number in (b"NaN", b"Infinity", b"-Infinity"):
         body = b'{"prompt": "hi", "temperature": ' + number + b"}"
-        assert_openai_error(http.post("/v1/completions", content=body, headers=headers), 422, "temperature")
+        assert_openai_error(http.post("/v1/completions", content=body, headers=headers), 422,
+                            "temperature")
     assert_openai_error(http.post("/v1/completions", content=b"", headers=headers), 422)
 
 
@@ -105,10 +113,13 @@ def test_unknown_routes_and_methods(http):
 
 def test_context_boundary_and_recovery(http, server):
     ids = [5] * (MAX_MODEL_LEN - 4)
-    ok = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+    ok = http.post("/v1/completions",
+                   json={"prompt": ids, "max_tokens": 4, "ignore_eos": True, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-    assert_openai_error(http.post("/v1/completions", json={"prompt": ids, "max_tokens": 5}), 400, "max_tokens")
-    assert_openai_error(http.post("/v1/completions", json={"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 0}), 400)
+    assert_openai_error(http.post("/v1/completions", json={"prompt": ids, "max_tokens": 5}), 400,
+                        "max_tokens")
+    assert_openai_error(http.post("/v1/completions",
+                                  json={"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 0}), 400)
     # model omitted is fine; the server still serves normally after all the errors above
     resp = http.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 3})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
@@ -116,8 +127,11 @@ def test_context_boundary_and_recovery(http, server):
 
 
 def test_extreme_values_are_not_server_errors(http):
-    """Values the engine would overflow on mid-step (failing the whole batch) are handled up front."""
-    huge_top_k = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "top_k": 10**30, "seed": 1})
+    """Values the engine would overflow on mid-step (failing the whole batch) are handled up
+    front."""
+    huge_top_k = http.post("/v1/completions",
+                           json={"prompt": "hi", "max_tokens": 2, "top_k": 10**30, "seed": 1})
     assert huge_top_k.status_code == 200, huge_top_k.text
     for seed in (2**63, 2**70):
-        assert_openai_error(http.post("/v1/completions", json={"prompt": "hi", "seed": seed}), 400, "seed")
+        assert_openai_error(http.post("/v1/completions", json={"prompt": "hi", "seed": seed}), 400,
+                            "seed")

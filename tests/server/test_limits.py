@@ -32,7 +32,8 @@ def test_api_key(limited):
                                    headers={"Authorization": "Bearer wrong"}), 401)
     assert_openai_error(httpx.get(limited.url + "/v1/models", headers={"Authorization": KEY}), 401)
     assert_openai_error(httpx.post(limited.url + "/v1/completions", content=b"{bad json"), 401)
-    ok = httpx.post(limited.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    ok = httpx.post(limited.url + "/v1/completions", json=body,
+                    headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200
     assert httpx.get(limited.url + "/health").status_code == 200
     assert httpx.get(limited.url + "/metrics").status_code == 200
@@ -48,7 +49,8 @@ def test_waiting_queue_bound_answers_503(limited):
     async def fire():
         async with httpx.AsyncClient(base_url=limited.url, timeout=60,
                                      headers={"Authorization": f"Bearer {KEY}"}) as http:
-            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
+            return await asyncio.gather(*(http.post("/v1/completions", json=body)
+                                          for _ in range(6)))
 
     responses = asyncio.run(fire())
     codes = sorted(r.status_code for r in responses)

@@ -20,10 +20,12 @@ def test_64_concurrent_streaming_clients(server, model_name):
     before = server.metrics()
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str]:
-        kwargs = dict(model=model_name, max_tokens=MAX_TOKENS, temperature=0.0 if i % 2 else 0.8, seed=i,
-                      stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        kwargs = dict(model=model_name, max_tokens=MAX_TOKENS, temperature=0.0 if i % 2 else 0.8,
+                      seed=i, stream=True, stream_options={"include_usage": True},
+                      extra_body={"ignore_eos": True})
         if i % 4 == 3:
-            stream = await client.chat.completions.create(messages=[{"role": "user", "content": f"task {i}"}], **kwargs)
+            stream = await client.chat.completions.create(
+                messages=[{"role": "user", "content": f"task {i}"}], **kwargs)
             chunks = [c async for c in stream]
             content = [c for c in chunks if c.choices and c.choices[0].delta.role is None]
             finish = content[-1].choices[0].finish_reason
@@ -36,21 +38,25 @@ def test_64_concurrent_streaming_clients(server, model_name):
         return len(content), chunks[-1].usage.completion_tokens, finish
 
     async def run_all():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(NUM_CLIENTS)), return_exceptions=True)
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(NUM_CLIENTS)),
+                                        return_exceptions=True)
 
     start = time.perf_counter()
     results = asyncio.run(run_all())
     wall = time.perf_counter() - start
     errors = [r for r in results if isinstance(r, BaseException)]
-    print(f"\nload: {NUM_CLIENTS} streaming requests, concurrency {NUM_CLIENTS}, {len(errors)} errors, "
-          f"{wall:.2f}s wall, {NUM_CLIENTS * MAX_TOKENS / wall:.0f} generated tok/s")
+    print(f"\nload: {NUM_CLIENTS} streaming requests, concurrency {NUM_CLIENTS}, "
+          f"{len(errors)} errors, {wall:.2f}s wall, "
+          f"{NUM_CLIENTS * MAX_TOKENS / wall:.0f} generated tok/s")
     assert not errors, errors[:3]
     assert all(r == (MAX_TOKENS, MAX_TOKENS, "length") for r in results), results
     after = server.wait_idle()
-    assert after["oasiskv_generation_tokens_total"] - before["oasiskv_generation_tokens_total"] == NUM_CLIENTS * MAX_TOKENS
-    assert after["oasiskv_e2e_request_latency_seconds_count"] - before["oasiskv_e2e_request_latency_seconds_count"] \
-        == NUM_CLIENTS
+    assert (after["oasiskv_generation_tokens_total"] - before["oasiskv_generation_tokens_total"]
+            == NUM_CLIENTS * MAX_TOKENS)
+    assert (after["oasiskv_e2e_request_latency_seconds_count"]
+            - before["oasiskv_e2e_request_latency_seconds_count"] == NUM_CLIENTS)
 
 
 def _generated(server) -> float:

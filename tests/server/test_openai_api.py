@@ -41,9 +41,10 @@ def test_models_health_metrics(server, client, model_name):
     assert [m.id for m in client.models.list().data] == [model_name] == ["demo_model"]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     m = server.metrics()
-    for name in ("oasiskv_num_requests_running", "oasiskv_num_requests_waiting", "oasiskv_kv_blocks_used",
-                 "oasiskv_kv_blocks_free", "oasiskv_prompt_tokens_total", "oasiskv_generation_tokens_total",
-                 "oasiskv_time_to_first_token_seconds_count", "oasiskv_time_per_output_token_seconds_count",
+    for name in ("oasiskv_num_requests_running", "oasiskv_num_requests_waiting",
+                 "oasiskv_kv_blocks_used", "oasiskv_kv_blocks_free", "oasiskv_prompt_tokens_total",
+                 "oasiskv_generation_tokens_total", "oasiskv_time_to_first_token_seconds_count",
+                 "oasiskv_time_per_output_token_seconds_count",
                  "oasiskv_e2e_request_latency_seconds_count"):
         assert name in m
     assert m["oasiskv_kv_blocks_total"] == NUM_KV_BLOCKS
@@ -71,8 +72,10 @@ def test_completion_defaults_stop_and_metrics(server, complete):
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == full[:full.index(stop)]
     after = server.metrics()
-    assert after["oasiskv_generation_tokens_total"] >= before["oasiskv_generation_tokens_total"] + 16 + 24
-    assert after["oasiskv_e2e_request_latency_seconds_count"] == before["oasiskv_e2e_request_latency_seconds_count"] + 3
+    assert (after["oasiskv_generation_tokens_total"]
+            >= before["oasiskv_generation_tokens_total"] + 16 + 24)
+    assert (after["oasiskv_e2e_request_latency_seconds_count"]
+            == before["oasiskv_e2e_request_latency_seconds_count"] + 3)
 
 
 def test_batch_prompts_token_ids_and_n(complete, llm):
@@ -90,14 +93,16 @@ def test_batch_prompts_token_ids_and_n(complete, llm):
     assert sampled.usage.prompt_tokens == len(ids) + len(llm.tokenizer.encode("x = 1"))
     again = complete(prompt=[PROMPT, "x = 1"], n=3, max_tokens=8, temperature=1.0, seed=7,
                                       extra_body={"ignore_eos": True})
-    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]  # seeded: reproducible
+    # seeded: reproducible
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]
     assert len({c.text for c in sampled.choices[:3]}) > 1  # choice j samples with seed + j
 
 
 def test_completion_logprobs(complete):
     out = complete(prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert (len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+            == len(lp.text_offset) == 6)
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset[0] == 0
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
@@ -106,9 +111,11 @@ def test_completion_logprobs(complete):
 
 
 def test_echo_logprobs_for_loglikelihood(complete, llm):
-    """lm-evaluation-harness local-completions: token-id prompts, echo, logprobs=1, max_tokens 0 or 1."""
+    """lm-evaluation-harness local-completions: token-id prompts, echo, logprobs=1,
+    max_tokens 0 or 1."""
     ids = llm.tokenizer.encode(PROMPT)
-    ref = llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0].prompt_logprobs
+    ref = llm.generate(ids, SamplingParams(max_tokens=1, temperature=0,
+                                           prompt_logprobs=1))[0].prompt_logprobs
     for max_tokens in (0, 1):
         out = complete(prompt=[ids], max_tokens=max_tokens, temperature=0, echo=True, logprobs=1)
         choice = out.choices[0]
@@ -122,13 +129,15 @@ def test_echo_logprobs_for_loglikelihood(complete, llm):
         assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == max_tokens
     text_echo = complete(prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
     plain = complete(prompt=PROMPT, max_tokens=3, temperature=0)
-    assert text_echo.choices[0].text == PROMPT + plain.choices[0].text and text_echo.choices[0].logprobs is None
+    assert (text_echo.choices[0].text == PROMPT + plain.choices[0].text
+            and text_echo.choices[0].logprobs is None)
 
 
 def test_streaming_completion(complete):
     plain = complete(prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     chunks = list(complete(prompt=PROMPT, max_tokens=12, temperature=0, stream=True, logprobs=2,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+                           stream_options={"include_usage": True},
+                           extra_body={"ignore_eos": True}))
     text_chunks, usage_chunk = chunks[:-1], chunks[-1]
     assert len(text_chunks) == 12  # one chunk per generated token
     assert "".join(c.choices[0].text for c in text_chunks) == plain.choices[0].text
@@ -136,12 +145,14 @@ def test_streaming_completion(complete):
     assert all(len(c.choices[0].logprobs.tokens) == 1 for c in text_chunks)
     assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 12
     echoed = list(complete(prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, stream=True))
-    assert echoed[0].choices[0].text == PROMPT and echoed[0].choices[0].logprobs.token_logprobs[0] is None
+    assert (echoed[0].choices[0].text == PROMPT
+            and echoed[0].choices[0].logprobs.token_logprobs[0] is None)
     assert echoed[-1].choices[0].finish_reason == "length" and len(echoed) == 2
 
 
 def test_chat(chat):
-    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "sort a list"}]
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "sort a list"}]
     out = chat(messages=messages, max_tokens=10, temperature=0,
                                          extra_body={"ignore_eos": True})
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
@@ -171,6 +182,8 @@ def test_chat_logprobs_and_stream(chat):
     roles = [c for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
     assert len(roles) == 2
     for index in (0, 1):
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks
+                       if c.choices and c.choices[0].index == index)
         assert text == out.choices[0].message.content
-    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.total_tokens == 10 + out.usage.prompt_tokens
+    assert (chunks[-1].usage.completion_tokens == 10
+            and chunks[-1].usage.total_tokens == 10 + out.usage.prompt_tokens)

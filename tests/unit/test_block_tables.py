@@ -1,4 +1,5 @@
-"""BlockTableRows: the step's tables equal the sequences' lists through growth, replacement and pruning."""
+"""BlockTableRows: the step's tables equal the sequences' lists through growth, replacement and
+pruning."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -8,16 +9,19 @@ from oasiskv.engine.block_tables import BlockTableRows
 
 def test_rows_follow_appends_replacements_and_other_sequences():
     rows = BlockTableRows(max_live=2)
-    a, b = SimpleNamespace(seq_id=1, block_table=[5]), SimpleNamespace(seq_id=2, block_table=list(range(40)))
+    a, b = (SimpleNamespace(seq_id=1, block_table=[5]),
+            SimpleNamespace(seq_id=2, block_table=list(range(40))))
 
     def check(*seqs):
         got = rows.build(list(seqs))
         width = max(len(s.block_table) for s in seqs)
-        want = np.array([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=np.int32)
+        want = np.array([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                        dtype=np.int32)
         np.testing.assert_array_equal(got, want)
 
     check(a, b)
-    for step in range(100):  # growth past the row's capacity, one block at a time and several at once
+    # growth past the row's capacity, one block at a time and several at once
+    for step in range(100):
         a.block_table.append(100 + step)
         if step % 7 == 0:
             b.block_table.extend([200 + step, 300 + step, 400 + step])

@@ -1,5 +1,4 @@
 """Sampler: greedy, filters, seeded determinism, distribution, logprobs."""
-import pytest
 import torch
 
 from oasiskv.layers.sampler import SamplingTensors, sample
@@ -7,7 +6,8 @@ from oasiskv.layers.sampler import SamplingTensors, sample
 
 def tensors(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None, logprobs=-1):
     return SamplingTensors(
-        temperature=torch.full((n,), float(temperature)), top_k=torch.full((n,), top_k, dtype=torch.long),
+        temperature=torch.full((n,), float(temperature)),
+        top_k=torch.full((n,), top_k, dtype=torch.long),
         top_p=torch.full((n,), float(top_p)), min_p=torch.full((n,), float(min_p)),
         generators=generators or [None] * n, all_greedy=temperature == 0,
         needs_filter=top_k > 0 or top_p < 1 or min_p > 0, max_logprobs=logprobs)
@@ -35,7 +35,8 @@ def test_top_k_and_top_p_never_sample_outside_their_set():
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
     gen = torch.Generator().manual_seed(0)
-    counts = torch.bincount(sample(logits, tensors(20000, temperature=0.7), gen).tokens, minlength=4).float()
+    counts = torch.bincount(sample(logits, tensors(20000, temperature=0.7), gen).tokens,
+                            minlength=4).float()
     want = (logits[0] / 0.7).softmax(-1)
     assert torch.allclose(counts / counts.sum(), want, atol=0.015)
 

@@ -18,16 +18,18 @@ def random_state(gen, n, heads, k, m):
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 3), heads=st.integers(1, 3), k=st.integers(1, 6),
-       m=st.integers(1, 12), cap=st.integers(1, 6))
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 3), heads=st.integers(1, 3),
+       k=st.integers(1, 6), m=st.integers(1, 12), cap=st.integers(1, 6))
 def test_selection_invariants(seed, n, heads, k, m, cap):
     cap = min(cap, k)
     gen = torch.Generator().manual_seed(seed)
     ws_map, ws_last = random_state(gen, n, heads, k, m)
     complete = torch.randint(0, m + 1, (n,), generator=gen)
     scores = torch.randn(n, heads, m, generator=gen)
-    scores[torch.arange(m)[None, None, :].expand(n, heads, m) >= complete[:, None, None]] = float("-inf")
-    ws_map = torch.where(ws_map >= complete[:, None, None].to(torch.int32), -1, ws_map)  # only existing blocks
+    scores[torch.arange(m)[None, None, :].expand(n, heads, m)
+           >= complete[:, None, None]] = float("-inf")
+    # only existing blocks
+    ws_map = torch.where(ws_map >= complete[:, None, None].to(torch.int32), -1, ws_map)
     before_map, before_last = ws_map.clone(), ws_last.clone()
     sel = plan_selection(scores, ws_map, ws_last, k, cap, now=100)
 
@@ -52,12 +54,15 @@ def test_selection_invariants(seed, n, heads, k, m, cap):
             empty_before = int((before_map[r, h] < 0).sum())
             reused = sum(before_map[r, h, s].item() >= 0 for s, b in
                          zip(sel.dst_slot[r, h].tolist(), sel.src_block[r, h].tolist()) if b >= 0)
-            assert reused == max(0, int((sel.src_block[r, h] >= 0).sum()) - empty_before), "empty slots first"
-            evicted_slots = {s for s, b in zip(sel.dst_slot[r, h].tolist(), sel.src_block[r, h].tolist())
+            assert reused == max(0, int((sel.src_block[r, h] >= 0).sum()) - empty_before), (
+                "empty slots first")
+            evicted_slots = {s for s, b in zip(sel.dst_slot[r, h].tolist(),
+                                               sel.src_block[r, h].tolist())
                              if b >= 0 and before_map[r, h, s] >= 0}
             kept = [before_last[r, h, j].item() for j in range(k) if j not in evicted_slots
                     and before_map[r, h, j] >= 0 and before_map[r, h, j].item() not in want]
-            if evicted_slots and kept:  # LRU: nothing kept was selected less recently than anything evicted
+            # LRU: nothing kept was selected less recently than anything evicted
+            if evicted_slots and kept:
                 assert max(before_last[r, h, s].item() for s in evicted_slots) <= min(kept)
 
 
