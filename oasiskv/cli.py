@@ -1,4 +1,5 @@
-"""Command line: ``oasiskv generate | serve | bench | eval``. Engine flags come from ``EngineConfig``'s fields."""
+"""Command line: ``oasiskv generate | serve | bench | eval``. Engine flags come from
+``EngineConfig``'s fields."""
 from __future__ import annotations
 
 import argparse
@@ -9,13 +10,15 @@ from oasiskv.config import EngineConfig
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineConfig`` field (``max_num_seqs`` -> ``--max-num-seqs``), help from metadata."""
+    """One flag per ``EngineConfig`` field (``max_num_seqs`` -> ``--max-num-seqs``), help from
+    metadata."""
     parser.add_argument("model", nargs="?", default="",
                         help="local HF model folder or hub id (default: the built-in demo model)")
     for f in EngineConfig.cli_fields():
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
             parser.add_argument(flag, type=kind, default=f.default,
@@ -24,7 +27,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_flat(model=args.model,
-                                  **{f.name: getattr(args, f.name) for f in EngineConfig.cli_fields()})
+                                  **{f.name: getattr(args, f.name)
+                                     for f in EngineConfig.cli_fields()})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -32,9 +36,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from oasiskv.sampling_params import SamplingParams
 
     llm = LLM(config=engine_config(args))
-    prompt = render_chat(llm.tokenizer, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    prompt = (render_chat(llm.tokenizer, [{"role": "user", "content": args.prompt}])
+              if args.chat else args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            ignore_eos=args.ignore_eos)
     if not args.quiet_prompt:
         sys.stdout.write(prompt)
     for out in llm.stream(prompt, params):
@@ -49,7 +55,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from oasiskv.server.api import serve
     except ImportError as exc:
-        raise SystemExit(f"the server needs extra packages ({exc.name}): pip install 'oasiskv[server]'")
+        raise SystemExit(f"the server needs extra packages ({exc.name}): "
+                         f"pip install 'oasiskv[server]'")
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_waiting=args.max_waiting, served_model_name=args.served_model_name)
 
@@ -77,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="seed of this request's sampling")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--quiet-prompt", action="store_true", help="do not echo the prompt")
     gen.set_defaults(func=cmd_generate)
@@ -86,20 +94,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set OASISKV_API_KEY)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (or set OASISKV_API_KEY)")
     srv.add_argument("--max-waiting", type=int, default=1024,
-                     help="most unfinished generations (queued or running) before new requests get HTTP 503 "
-                          "(default: 1024)")
-    srv.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
+                     help="most unfinished generations (queued or running) before new requests "
+                          "get HTTP 503 (default: 1024)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="model name in the API (default: folder name)")
     srv.set_defaults(func=cmd_serve)
 
     from oasiskv.bench.decode_sweep import add_bench_flags
-    bench = sub.add_parser("bench", help="decode throughput sweep (context x concurrency x output length)")
+    bench = sub.add_parser("bench",
+                           help="decode throughput sweep (context x concurrency x output length)")
     add_bench_flags(bench)
     bench.set_defaults(func=cmd_bench)
 
     from oasiskv.bench.fidelity import add_eval_flags
-    ev = sub.add_parser("eval", help="fidelity of tiered (oasis) decode vs dense: loss and top-1 agreement")
+    ev = sub.add_parser("eval",
+                        help="fidelity of tiered (oasis) decode vs dense: loss and top-1 agreement")
     add_eval_flags(ev)
     ev.set_defaults(func=cmd_eval)
     return parser

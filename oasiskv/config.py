@@ -28,7 +28,8 @@ ARCHITECTURES = {
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """Map a dtype spelling to a torch dtype; ``"auto"``/None -> None. Raises ValueError on unknown names."""
+    """Map a dtype spelling to a torch dtype; ``"auto"``/None -> None. Raises ValueError on unknown
+    names."""
     if name is None or isinstance(name, torch.dtype):
         return name
     key = str(name).lower().removeprefix("torch.")
@@ -46,7 +47,8 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture facts the decoder needs, read from an HF ``config.json`` (both rope spellings)."""
+    """Architecture facts the decoder needs, read from an HF ``config.json`` (both rope
+    spellings)."""
     architecture: str
     hidden_size: int
     intermediate_size: int
@@ -117,14 +119,15 @@ def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-#: ``--draft`` spellings: ``none`` selects with the current token's own query (synchronous retrieval);
-#: the others select one step ahead (lookahead) from a prediction of the next query
+#: ``--draft`` spellings: ``none`` selects with the current token's own query (synchronous
+#: retrieval); the others select one step ahead (lookahead) from a prediction of the next query
 DRAFTS = "none, previous, ngram, model:PATH or eagle3:PATH"
 
 
 @dataclass(frozen=True)
 class TierConfig:
-    """Tiered KV settings (``kv_mode=oasis``): working-set size, fetch cap, host store, lookahead."""
+    """Tiered KV settings (``kv_mode=oasis``): working-set size, fetch cap, host store,
+    lookahead."""
     topk_blocks: int = _opt(128, "oasis: K, resident blocks per (sequence, layer, kv-head) besides "
                             "the local block")
     fetch_ratio: float = _opt(0.05, "oasis: f_HBM, at most ceil(f*K) new blocks per head per layer "
@@ -164,19 +167,20 @@ class EngineConfig:
     """Engine settings. The CLI exposes every field as ``--field-name`` (``tier``'s fields too)."""
     model: str = _opt("", "local HF model folder, hub id, or bench preset; empty = built-in demo "
                       "model", cli=False)
-    dtype: str = _opt("auto", "weights/activations dtype: auto (checkpoint dtype on GPU, float32 on "
-                      "CPU), bfloat16, float16, float32")
+    dtype: str = _opt("auto", "weights/activations dtype: auto (checkpoint dtype on GPU, float32 "
+                      "on CPU), bfloat16, float16, float32")
     device: str = _opt("auto", "auto, cuda, cuda:N or cpu")
     max_model_len: int = _opt(0, "longest prompt + output in tokens; 0 = the model's "
                               "max_position_embeddings")
     max_num_seqs: int = _opt(256, "most sequences in one decode batch")
-    max_num_batched_tokens: int = _opt(8192, "most prompt tokens in one prefill step (longer prompts "
-                                       "are prefilled in chunks)")
+    max_num_batched_tokens: int = _opt(8192, "most prompt tokens in one prefill step (longer "
+                                       "prompts are prefilled in chunks)")
     block_size: int = _opt(16, "tokens per KV block")
-    gpu_memory_utilization: float = _opt(0.90, "fraction of GPU memory the engine may use (weights, "
-                                         "activations and the KV pool sized from it after a "
-                                         "warm-up)")
-    num_kv_blocks: int = _opt(0, "KV pool size in blocks; 0 = size from memory (GPU) or 4 GiB (CPU)")
+    gpu_memory_utilization: float = _opt(0.90, "fraction of GPU memory the engine may use "
+                                         "(weights, activations and the KV pool sized from it "
+                                         "after a warm-up)")
+    num_kv_blocks: int = _opt(0, "KV pool size in blocks; 0 = size from memory (GPU) or 4 GiB "
+                              "(CPU)")
     enforce_eager: bool = _opt(False, "disable CUDA-graph capture of decode")
     max_graph_batch: int = _opt(256, "largest decode batch captured in a CUDA graph")
     seed: int = _opt(0, "seed for random sampling of requests without their own seed")
@@ -206,8 +210,8 @@ class EngineConfig:
 
     @classmethod
     def from_flat(cls, **settings) -> "EngineConfig":
-        """An ``EngineConfig`` from flat keyword settings: ``TierConfig`` field names go to ``tier``.
-        Raises TypeError on an unknown name."""
+        """An ``EngineConfig`` from flat keyword settings: ``TierConfig`` field names go to
+        ``tier``. Raises TypeError on an unknown name."""
         tier_names = {f.name for f in fields(TierConfig)}
         tier = {k: settings.pop(k) for k in list(settings) if k in tier_names}
         base = settings.pop("tier", TierConfig())

@@ -1,4 +1,5 @@
-"""LLM: the offline facade. ``LLM(model, **config).generate(prompts, params)`` and ``.chat(messages)``."""
+"""LLM: the offline facade. ``LLM(model, **config).generate(prompts, params)`` and
+``.chat(messages)``."""
 from __future__ import annotations
 
 from typing import Iterator, Sequence as Seq
@@ -26,9 +27,11 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                              and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
-        params = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        params = (params if isinstance(params, (list, tuple))
+                  else [params or SamplingParams()] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -41,7 +44,8 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | list[int],
+               params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield incremental outputs of one request as they are produced."""
         rid = self.engine.add_request(prompt, params)
         while True:
@@ -52,7 +56,8 @@ class LLM:
                         return
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
-        """One chat turn: messages are rendered with the tokenizer's chat template (or a plain fallback)."""
+        """One chat turn: messages are rendered with the tokenizer's chat template (or a plain
+        fallback)."""
         return self.generate(render_chat(self.tokenizer, messages), params)[0]
 
 
@@ -65,13 +70,16 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     if not messages:
         raise ValueError("messages must be a non-empty list")
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise ValueError(f"invalid message {m!r}: role must be one of system, user, assistant, tool, developer")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool",
+                                                             "developer"):
+            raise ValueError(f"invalid message {m!r}: role must be one of system, user, "
+                             f"assistant, tool, developer")
         if not isinstance(m.get("content"), str):
             raise ValueError("message content must be a string")
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
         except Exception as exc:  # the template itself may reject a conversation (e.g. role order)
             raise ValueError(f"the model's chat template rejected these messages: {exc}") from None
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"

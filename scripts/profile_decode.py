@@ -4,17 +4,18 @@ kernel count and top kernels, plus how much the streams run at the same time.
 python scripts/profile_decode.py [oasiskv bench flags] [--profile-steps N] [--compare-prefetch-off]
 
 Takes the ``oasiskv bench`` flags (exactly one context length and one concurrency; the output length
-is set from the step counts), prefills that many requests (prompt token ids ``(7 i + j) mod 1000 + 1``,
-not the bench's random ones), runs 3 warm-up decode steps, times ``--timed-steps`` decode steps on the
-host clock, then records ``--profile-steps`` steps with torch.profiler (CUPTI also sees kernels
-inside CUDA graph replays) and reads the trace: per stream, busy time (union of kernel intervals) per
-step; "overlapping" is the time at least two streams run kernels; "idle" is the time inside the
-kernel window no kernel runs (mostly host work between steps). Also: the time graph replays spent in
-their device-side waits for the previous step's lookahead copies (the foreground stall), memory copies
-(count, time, longest) and the CUDA runtime calls the host spent most time in. With ``--compare-prefetch-off`` the
-same requests then run with ``prefetch=off`` (graphs recaptured when there are any): for lookahead,
-step t+1's selection and fetch are skipped, the foreground-only baseline; for synchronous retrieval
-selection stops altogether. GPU only; random weights.
+is set from the step counts), prefills that many requests (prompt token ids
+``(7 i + j) mod 1000 + 1``, not the bench's random ones), runs 3 warm-up decode steps, times
+``--timed-steps`` decode steps on the host clock, then records ``--profile-steps`` steps with
+torch.profiler (CUPTI also sees kernels inside CUDA graph replays) and reads the trace: per stream,
+busy time (union of kernel intervals) per step; "overlapping" is the time at least two streams run
+kernels; "idle" is the time inside the kernel window no kernel runs (mostly host work between
+steps). Also: the time graph replays spent in their device-side waits for the previous step's
+lookahead copies (the foreground stall), memory copies (count, time, longest) and the CUDA runtime
+calls the host spent most time in. With ``--compare-prefetch-off`` the same requests then run with
+``prefetch=off`` (graphs recaptured when there are any): for lookahead, step t+1's selection and
+fetch are skipped, the foreground-only baseline; for synchronous retrieval selection stops
+altogether. GPU only; random weights.
 """
 import argparse
 import json
@@ -82,9 +83,13 @@ def analyse(trace_path: str, steps: int, top: int) -> dict:
     for e in events:
         if e.get("cat") == "cuda_runtime" and "dur" in e:
             total = host_calls[e["name"]]
-            total[0], total[1], total[2] = total[0] + e["dur"], max(total[1], e["dur"]), total[2] + 1
-    waits = [e["dur"] for e in kernels if e["name"] == "_wait_kernel"]  # captured steps' waits for copies
-    result = {"copy_waits_ms_per_step": sum(waits) / steps / 1e3, "memcpy": {"per_step": len(copies) / steps, "ms_per_step": sum(e["dur"] for e in copies) / steps / 1e3,
+            total[0], total[1], total[2] = (total[0] + e["dur"], max(total[1], e["dur"]),
+                                            total[2] + 1)
+    # captured steps' waits for copies
+    waits = [e["dur"] for e in kernels if e["name"] == "_wait_kernel"]
+    result = {"copy_waits_ms_per_step": sum(waits) / steps / 1e3,
+              "memcpy": {"per_step": len(copies) / steps,
+                         "ms_per_step": sum(e["dur"] for e in copies) / steps / 1e3,
                          "longest_ms": max((e["dur"] for e in copies), default=0) / 1e3},
               "host_calls": [(n, t / steps / 1e3, m / 1e3, c / steps) for n, (t, m, c) in
                              sorted(host_calls.items(), key=lambda kv: -kv[1][0])[:5]],
@@ -98,7 +103,8 @@ def analyse(trace_path: str, steps: int, top: int) -> dict:
             names[e["name"]][1] += 1
         ranked = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
         result["streams"][s] = {
-            "busy_ms_per_step": _length(busy[s]) / steps / 1e3, "kernels_per_step": len(evs) / steps,
+            "busy_ms_per_step": _length(busy[s]) / steps / 1e3,
+            "kernels_per_step": len(evs) / steps,
             "top": [(n[:70], t / steps / 1e3, c / steps) for n, (t, c) in ranked]}
     return result
 
@@ -109,16 +115,19 @@ def report(title: str, wall_ms: float, stats: dict) -> None:
         print(stats["error"])
         return
     idle = stats["window_ms_per_step"] - stats["gpu_busy_ms_per_step"]
-    print(f"   kernel window {stats['window_ms_per_step']:.2f} ms/step, GPU busy {stats['gpu_busy_ms_per_step']:.2f}, "
+    print(f"   kernel window {stats['window_ms_per_step']:.2f} ms/step, "
+          f"GPU busy {stats['gpu_busy_ms_per_step']:.2f}, "
           f"idle {idle:.2f}, streams overlapping {stats['overlap_ms_per_step']:.2f}")
-    print(f"   foreground waiting for lookahead copies (wait_ready kernels): {stats['copy_waits_ms_per_step']:.2f} "
-          f"ms/step")
+    print(f"   foreground waiting for lookahead copies (wait_ready kernels): "
+          f"{stats['copy_waits_ms_per_step']:.2f} ms/step")
     m = stats["memcpy"]
-    print(f"   memcpy: {m['per_step']:.0f}/step, {m['ms_per_step']:.2f} ms/step, longest {m['longest_ms']:.2f} ms")
+    print(f"   memcpy: {m['per_step']:.0f}/step, {m['ms_per_step']:.2f} ms/step, "
+          f"longest {m['longest_ms']:.2f} ms")
     for name, ms, longest, count in stats["host_calls"]:
         print(f"   host {name}: {ms:.2f} ms/step (x{count:.0f}, longest {longest:.2f} ms)")
     for stream, s in stats["streams"].items():
-        print(f"   {stream}: busy {s['busy_ms_per_step']:.2f} ms/step, {s['kernels_per_step']:.0f} kernels/step")
+        print(f"   {stream}: busy {s['busy_ms_per_step']:.2f} ms/step, "
+              f"{s['kernels_per_step']:.0f} kernels/step")
         for name, ms, count in s["top"]:
             print(f"      {ms:7.3f} ms  x{count:<5.0f} {name}")
 
@@ -142,7 +151,8 @@ def measure(engine: LLMEngine, timed: int, profiled: int, top: int) -> tuple[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_flags(parser)
     parser.add_argument("--timed-steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -165,18 +175,21 @@ def main() -> None:
     t0 = time.perf_counter()
     while engine.stats.num_waiting or engine.stats.last_step_prefill or not engine.stats.num_steps:
         engine.step()
-    print(f"{args.model} {config.kv_mode} context={context} requests={concurrency} draft={config.tier.draft!r} "
+    print(f"{args.model} {config.kv_mode} context={context} requests={concurrency} "
+          f"draft={config.tier.draft!r} "
           f"prefetch={config.tier.prefetch} graphs={engine.runner.graphs is not None}; prefill "
           f"{time.perf_counter() - t0:.1f} s; running {len(engine.scheduler.running)}")
     wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
     report(f"prefetch={config.tier.prefetch}", wall, stats)
-    result = {"config": vars(args), "phases": [{"prefetch": config.tier.prefetch, "wall_ms": wall, **stats}]}
+    result = {"config": vars(args),
+              "phases": [{"prefetch": config.tier.prefetch, "wall_ms": wall, **stats}]}
     if args.compare_prefetch_off:
         engine.runner.backend.retrieval.active = False  # the same requests, no selection or fetch
         if engine.runner.graphs is not None:
             engine.runner.graphs._capture()
         wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
-        report("prefetch=off (same requests" + (", graphs recaptured)" if engine.runner.graphs else ")"), wall, stats)
+        report("prefetch=off (same requests"
+               + (", graphs recaptured)" if engine.runner.graphs else ")"), wall, stats)
         result["phases"].append({"prefetch": "off", "wall_ms": wall, **stats})
     print(json.dumps(result))
 

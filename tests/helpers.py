@@ -1,4 +1,5 @@
-"""Test helpers: tiny random HF checkpoints written with transformers, and greedy reference decoding."""
+"""Test helpers: tiny random HF checkpoints written with transformers, and greedy reference
+decoding."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=1024, rms_norm_eps=1e-6)
 
 
-def write_tiny_checkpoint(path: Path, arch: str, old_rope_spelling: bool = False, **overrides) -> Path:
-    """Save a randomly initialised Qwen3 / Qwen2 / Llama model (fp32) to ``path`` with transformers."""
+def write_tiny_checkpoint(path: Path, arch: str, old_rope_spelling: bool = False,
+                          **overrides) -> Path:
+    """Save a randomly initialised Qwen3 / Qwen2 / Llama model (fp32) to ``path`` with
+    transformers."""
     import transformers
     cls_cfg, cls_model = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -50,7 +53,8 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def capture_graph(step):
-    """``step`` captured in a CUDA graph, after one warm-up run (kernel compilation) on a side stream."""
+    """``step`` captured in a CUDA graph, after one warm-up run (kernel compilation) on a side
+    stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -37,7 +37,8 @@ class DenseBackend(AttentionBackend):
         self._store, self._decode = kernel("store_kv", cuda), kernel("paged_decode_attention", cuda)
 
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+        return (2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim
+                * self.dtype.itemsize)
 
     def allocate(self, budget_bytes: int | None) -> None:
         per_block = self.bytes_per_block()
@@ -46,14 +47,17 @@ class DenseBackend(AttentionBackend):
         else:
             blocks = (CPU_KV_BYTES if budget_bytes is None else budget_bytes) // per_block
         if blocks < 1:
-            raise RuntimeError(f"no memory left for the KV cache (one block needs {per_block} bytes): "
-                               f"raise gpu_memory_utilization or lower max_num_batched_tokens")
-        logger.info("KV pool: %d blocks of %d tokens (%.2f GiB, %d tokens)", blocks, self.block_size,
-                    blocks * per_block / 2**30, blocks * self.block_size)
+            raise RuntimeError(f"no memory left for the KV cache (one block needs {per_block} "
+                               f"bytes): raise gpu_memory_utilization or lower "
+                               f"max_num_batched_tokens")
+        logger.info("KV pool: %d blocks of %d tokens (%.2f GiB, %d tokens)", blocks,
+                    self.block_size, blocks * per_block / 2**30, blocks * self.block_size)
         shape = (blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.num_blocks = blocks
-        self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                        for _ in range(self.num_layers)]
+        self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                        for _ in range(self.num_layers)]
 
     def make_allocator(self) -> BlockManager:
         return BlockManager(self.num_blocks, self.block_size)
@@ -68,12 +72,14 @@ class DenseBackend(AttentionBackend):
         if not batch.is_prefill:
             return self._decode(q, self.k_cache[layer], self.v_cache[layer], batch.block_tables,
                                 batch.context_lens, scale)
-        return prefill_attention(q, k, v, batch, scale, lambda i, n: self._gather(layer, batch.block_tables[i], n))
+        return prefill_attention(q, k, v, batch, scale,
+                                 lambda i, n: self._gather(layer, batch.block_tables[i], n))
 
     def _gather(self, layer: int, block_table: torch.Tensor, length: int):
         """K and V of one sequence's first ``length`` tokens as ``[Hk, length, D]``."""
         blocks = block_table[: -(-length // self.block_size)].long()
 
         def take(cache):
-            return cache[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :length]
+            return (cache[blocks].transpose(0, 1)
+                    .reshape(self.num_kv_heads, -1, self.head_dim)[:, :length])
         return take(self.k_cache[layer]), take(self.v_cache[layer])

@@ -1,5 +1,5 @@
-"""Prefill attention shared by every backend: torch SDPA per sequence, causal over the new tokens and
-bottom-right causal over a cached prefix that the backend supplies."""
+"""Prefill attention shared by every backend: torch SDPA per sequence, causal over the new tokens
+and bottom-right causal over a cached prefix that the backend supplies."""
 from __future__ import annotations
 
 from typing import Callable
@@ -13,9 +13,10 @@ from oasiskv.engine.forward_batch import ForwardBatch
 PrefixFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float,
-                      prefix_kv: PrefixFn) -> torch.Tensor:
-    """q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` of the step's tokens (sequences back to back) -> ``[T, Hq, D]``.
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                      scale: float, prefix_kv: PrefixFn) -> torch.Tensor:
+    """q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` of the step's tokens (sequences back to back) ->
+    ``[T, Hq, D]``.
 
     A sequence with ``prefix_lens[i] == 0`` attends causally over its fresh K/V; otherwise over
     ``prefix_kv(i, prefix + n)`` (which must already include this step's tokens) with a mask letting
@@ -27,7 +28,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
     for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
         qi = q[start:start + n].transpose(0, 1)
         if prefix == 0:
-            ki, vi, mask = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1), None
+            ki, vi, mask = (k[start:start + n].transpose(0, 1),
+                            v[start:start + n].transpose(0, 1), None)
         else:
             ki, vi = prefix_kv(i, prefix + n)
             pos_q = torch.arange(prefix, prefix + n, device=q.device)

@@ -1,14 +1,14 @@
 """SparseBackend (kv_mode=oasis): the attention-backend lifecycle over the tiered KV.
 
 Who decides what: ``kv/tiered.py`` holds the storage and does each layer's operations (store,
-prefill + seed, attend, promote, retrieve); ``kv/retrieval.py`` decides where and when retrieval runs
-(synchronous before attention, or lookahead after it on side streams); ``kv/lookahead.py`` owns the
-drafter, its guesses and the draft rows; ``kv/allocator.py`` admits by both budgets. This file wires
-them to the engine's calls:
+prefill + seed, attend, promote, retrieve); ``kv/retrieval.py`` decides where and when retrieval
+runs (synchronous before attention, or lookahead after it on side streams); ``kv/lookahead.py``
+owns the drafter, its guesses and the draft rows; ``kv/allocator.py`` admits by both budgets. This
+file wires them to the engine's calls:
 
 - ``allocate``: host store, summaries, working sets and the drafter's memory within the budget;
-- ``prepare``: the step's ``TierStep`` (each row's working-set slot, the rows that end their prefill,
-  draft rows as extra rows of a decode step) and the decode step stamp;
+- ``prepare``: the step's ``TierStep`` (each row's working-set slot, the rows that end their
+  prefill, draft rows as extra rows of a decode step) and the decode step stamp;
 - ``forward``: per layer, prefill (dense, seeding) or decode (store, retrieve, attend, promote);
 - ``finish``: the replayed graph's deferred copies, the drafter's next guesses, the step's counters;
 - graph hooks: static ``TierStep`` per bucket (padding rows use a scratch working-set slot that is
@@ -26,7 +26,7 @@ import torch
 from oasiskv.attention.base import AttentionBackend, StepPlan, StepStats
 from oasiskv.attention.prefill import prefill_attention
 from oasiskv.config import EngineConfig
-from oasiskv.engine.forward_batch import ForwardBatch
+from oasiskv.engine.forward_batch import ForwardBatch, to_device
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.allocator import TieredAllocator
@@ -47,7 +47,8 @@ class SparseBackend(AttentionBackend):
     ``tier.draft`` names (a lookahead ``draft`` must be set)."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype,
-                 device: torch.device, probes: TierProbes | None = None, drafter: Drafter | None = None):
+                 device: torch.device, probes: TierProbes | None = None,
+                 drafter: Drafter | None = None):
         tier, cfg = config.tier, model.cfg
         self.config, self.device = config, device
         layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
@@ -78,7 +79,8 @@ class SparseBackend(AttentionBackend):
         max_len = min(self._max_len, host.num_blocks * lay.block_size)
         drafter = self.lookahead.drafter if self.lookahead else None
         per_seq = lay.working_set_bytes + (drafter.bytes_per_seq(max_len) if drafter else 0)
-        fixed = host.num_blocks * lay.summary_bytes_per_block + (drafter.fixed_bytes() if drafter else 0)
+        fixed = (host.num_blocks * lay.summary_bytes_per_block
+                 + (drafter.fixed_bytes() if drafter else 0))
         budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes
         # one working set more than the slots handed out: the scratch slot of graph padding rows
         slots = min(self.config.max_num_seqs, (budget - fixed) // per_seq - 1)
@@ -99,8 +101,8 @@ class SparseBackend(AttentionBackend):
                     host.num_blocks * lay.summary_bytes_per_block / 2**30, kv.cap)
 
     def make_allocator(self) -> TieredAllocator:
-        self.allocator = TieredAllocator(self.kv.host.num_blocks, self._padding_slot, self.kv.layout.block_size,
-                                         on_free=self._release)
+        self.allocator = TieredAllocator(self.kv.host.num_blocks, self._padding_slot,
+                                         self.kv.layout.block_size, on_free=self._release)
         return self.allocator
 
     @property
@@ -136,8 +138,7 @@ class SparseBackend(AttentionBackend):
         return plan
 
     def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        return to_device(values, dtype, self.device)
 
     def forward(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if batch.meta is None:  # the warm-up before storage exists
@@ -173,13 +174,15 @@ class SparseBackend(AttentionBackend):
         used_slots = alloc.num_seq_slots - len(alloc.free_slots)
         gauges = {
             "hit_rate": counters["hits"] / max(1, counters["hits"] + counters["misses"]),
-            "host_bytes_in_use": (alloc.num_total_blocks - alloc.num_free_blocks) * lay.host_block_bytes,
+            "host_bytes_in_use": (alloc.num_total_blocks - alloc.num_free_blocks)
+            * lay.host_block_bytes,
             "hbm_bytes_in_use": used_slots * lay.working_set_bytes
             + self.kv.host.num_blocks * lay.summary_bytes_per_block}
         return StepStats(counters, gauges)
 
     def _last_aux(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
-        """The features the drafter reads: from the replayed graph's static meta, else this step's."""
+        """The features the drafter reads: from the replayed graph's static meta, else this
+        step's."""
         step = self._replayed if self._replayed is not None else self._eager
         self._replayed = self._eager = None
         return step.aux if step is not None else {}
@@ -193,8 +196,10 @@ class SparseBackend(AttentionBackend):
         draft = self.rows_per_seq > 1
         for bs in buckets:
             self._statics[bs] = TierStep(
-                slots[:bs], draft_rows=torch.arange(bs, 2 * bs, dtype=torch.int32, device=self.device)
-                if draft else None, draft_of=torch.arange(bs, device=self.device) if draft else None)
+                slots[:bs],
+                draft_rows=torch.arange(bs, 2 * bs, dtype=torch.int32, device=self.device)
+                if draft else None,
+                draft_of=torch.arange(bs, device=self.device) if draft else None)
         return self._statics
 
     def begin_capture(self) -> None:

@@ -59,15 +59,17 @@ def _ints(text: str) -> list[str]:
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default="qwen3-8b",
-                        help="bench preset (qwen3-8b, qwen3-32b, llama-3.1-8b, qwen3-tiny) with random weights, "
-                             "or a checkpoint folder")
-    parser.add_argument("--context-lens", default="16384,32768", help="prompt lengths, comma separated")
+                        help="bench preset (qwen3-8b, qwen3-32b, llama-3.1-8b, qwen3-tiny) with "
+                             "random weights, or a checkpoint folder")
+    parser.add_argument("--context-lens", default="16384,32768",
+                        help="prompt lengths, comma separated")
     parser.add_argument("--concurrency", default="1,8,max",
                         help="requests per point; 'max' = the most that fit in the KV pool")
     parser.add_argument("--output-lens", default="128", help="generated tokens per request")
     parser.add_argument("--engine", default="oasiskv", help="oasiskv, hf, or oasiskv,hf")
     parser.add_argument("--hf-max-batch", type=int, default=8,
-                        help="largest batch given to the hf baseline (concurrency above it is capped)")
+                        help="largest batch given to the hf baseline "
+                             "(concurrency above it is capped)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
@@ -79,19 +81,23 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-mode", default="dense", help="dense or oasis (tiered KV)")
     parser.add_argument("--topk-blocks", type=int, default=128, help="oasis: K")
     parser.add_argument("--fetch-ratio", type=float, default=0.05, help="oasis: f_HBM")
-    parser.add_argument("--host-kv-gib", type=float, default=0.0, help="oasis: host store GiB (0 = 4)")
-    parser.add_argument("--draft", default="none", help="oasis: none = synchronous retrieval; previous, "
+    parser.add_argument("--host-kv-gib", type=float, default=0.0,
+                        help="oasis: host store GiB (0 = 4)")
+    parser.add_argument("--draft", default="none",
+                        help="oasis: none = synchronous retrieval; previous, "
                         "ngram, model:PATH, eagle3:PATH = lookahead")
     parser.add_argument("--prefetch", default="async", help="oasis lookahead: async, inline or off")
     parser.add_argument("--emulated-host-gib", type=float, default=0.0,
-                        help="oasis, BENCHMARK ONLY: admit as if the host store held this many GiB; requests "
-                             "share the physical host blocks (--host-kv-gib) so PCIe traffic is real, contents not")
+                        help="oasis, BENCHMARK ONLY: admit as if the host store held this many "
+                             "GiB; requests share the physical host blocks (--host-kv-gib) so "
+                             "PCIe traffic is real, contents not")
     parser.add_argument("--plot", default=None, help="write a PNG of tok/s per point here")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine configuration the bench flags describe (also used by ``scripts/profile_decode.py``)."""
+    """The engine configuration the bench flags describe (also used by
+    ``scripts/profile_decode.py``)."""
     contexts = [int(c) for c in _ints(args.context_lens)]
     outputs = [int(o) for o in _ints(args.output_lens)]
     from oasiskv.models.loader import preset_names
@@ -146,7 +152,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         from oasiskv.models.loader import resolve_model_path
         hf_model_path = resolve_model_path(args.model)
         device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, ModelConfig.from_file(hf_model_path / "config.json"), device)
+        dtype = resolve_dtype(args.dtype, ModelConfig.from_file(hf_model_path / "config.json"),
+                              device)
     if "hf" in engines:
         from oasiskv.bench.hf_baseline import bench_hf
         env.setdefault("copy_gb_s", measure_copy_bandwidth(device) / 1e9)
@@ -155,12 +162,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         for ctx in contexts:
             for batch in batches:
                 for out in outputs:
-                    points.append(bench_hf(hf_model_path, config.load_format == "dummy", dtype, device, ctx,
-                                           batch, out, env["copy_gb_s"], args.seed))
+                    points.append(bench_hf(hf_model_path, config.load_format == "dummy", dtype,
+                                           device, ctx, batch, out, env["copy_gb_s"], args.seed))
     print_table(points, env)
     if args.plot:
         plot(points, args.plot)
-    print(json.dumps({"environment": env, "model": args.model, "points": [asdict(p) for p in points]}))
+    print(json.dumps({"environment": env, "model": args.model,
+                      "points": [asdict(p) for p in points]}))
     return 0
 
 
@@ -198,8 +206,8 @@ def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
     return max(1, min(limits))
 
 
-def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict, seed: int,
-                clock: DeviceStallClock | None = None) -> Point:
+def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict,
+                seed: int, clock: DeviceStallClock | None = None) -> Point:
     n = max_concurrency(engine, context, output_len) if concurrency == "max" else int(concurrency)
     point = Point(_label(engine), context, n, output_len)
     if n > max_concurrency(engine, context, output_len):
@@ -234,26 +242,30 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.roofline = point.achieved_gb_s / env["copy_gb_s"]
         point.pcie_gb_s = fetched / seconds / 1e9
         point.stall_ms = 1e3 * stall / timed if timed else None
-    notes = [f"{engine.stats.num_preemptions} preemptions so far"] if engine.stats.num_preemptions else []
+    notes = ([f"{engine.stats.num_preemptions} preemptions so far"]
+             if engine.stats.num_preemptions else [])
     emulated = emulated_label(engine)
     point.note = "; ".join(notes + ([emulated] if emulated else []))
     return point
 
 
 def print_table(points: list[Point], env: dict) -> None:
-    print(f"\ndevice={env.get('device')} dtype={env.get('dtype')} copy_bw={env.get('copy_gb_s', 0):.0f} GB/s "
+    print(f"\ndevice={env.get('device')} dtype={env.get('dtype')} "
+          f"copy_bw={env.get('copy_gb_s', 0):.0f} GB/s "
           f"weights={env.get('weights_gb', 0):.2f} GB kv_pool_tokens={env.get('kv_pool_tokens')} "
           f"cuda_graphs={env.get('cuda_graphs')}")
     if env.get("emulated_host"):
-        print(f"*** {env['emulated_host']}: requests share physical host blocks (capacity emulation, benchmark only)")
-    head = f"{'engine':30} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} {'TPOT ms':>8} " \
-           f"{'KV GB/step':>10} {'GB/s':>8} {'roofline':>8} {'PCIe GB/s':>9} {'stall ms':>8}  note"
+        print(f"*** {env['emulated_host']}: requests share physical host blocks "
+              f"(capacity emulation, benchmark only)")
+    head = f"{'engine':30} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} " \
+           f"{'TPOT ms':>8} {'KV GB/step':>10} {'GB/s':>8} {'roofline':>8} {'PCIe GB/s':>9} " \
+           f"{'stall ms':>8}  note"
     print(head)
     print("-" * len(head))
     for p in points:
-        print(f"{p.engine:30} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} {p.tok_s:9.1f} "
-              f"{p.tpot_ms:8.2f} {p.kv_gb_per_step:10.2f} {p.achieved_gb_s:8.0f} {p.roofline:8.2f} "
-              f"{p.pcie_gb_s:9.2f} {_stall(p):>8}  {p.note}")
+        print(f"{p.engine:30} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} "
+              f"{p.tok_s:9.1f} {p.tpot_ms:8.2f} {p.kv_gb_per_step:10.2f} {p.achieved_gb_s:8.0f} "
+              f"{p.roofline:8.2f} {p.pcie_gb_s:9.2f} {_stall(p):>8}  {p.note}")
 
 
 def _stall(p: Point) -> str:
@@ -267,7 +279,8 @@ def plot(points: list[Point], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in sorted({(p.engine, p.context) for p in points}):
         sel = [p for p in points if (p.engine, p.context) == key and p.tok_s]
-        ax.plot([p.concurrency for p in sel], [p.tok_s for p in sel], marker="o", label=f"{key[0]} ctx={key[1]}")
+        ax.plot([p.concurrency for p in sel], [p.tok_s for p in sel], marker="o",
+                label=f"{key[0]} ctx={key[1]}")
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("decode tok/s")
     ax.set_xscale("log", base=2)

@@ -1,17 +1,17 @@
 """``oasiskv eval``: how much tiered (sparse) decode changes the model's predictions.
 
-On held-out text cut into windows, each window's first ``window - last`` tokens are prefilled and the
-last ``last`` positions are decoded one at a time, teacher-forced (the true next token is fed back, not
-the sampled one), once densely and once per oasis setting (K x fetch cap). Reported per setting:
-next-token loss on the true tokens (nats), its difference to dense, and greedy top-1 agreement with
-dense at the same positions. A table, then one JSON line.
+On held-out text cut into windows, each window's first ``window - last`` tokens are prefilled and
+the last ``last`` positions are decoded one at a time, teacher-forced (the true next token is fed
+back, not the sampled one), once densely and once per oasis setting (K x fetch cap). Reported per
+setting: next-token loss on the true tokens (nats), its difference to dense, and greedy top-1
+agreement with dense at the same positions. A table, then one JSON line.
 
 With ``--drafts`` it also runs the lookahead step (K = ``--draft-k``, the fetch cap on) once per
-drafter and reports, besides loss and top-1, the drafter's hit rate (its guess == the true next token)
-and per layer the agreement of the predicted top-K set with the set the true next query then picks
-from the same summaries (mean over heads of |predicted & true| / |true|). Drafters: ``previous``
-(the current query predicts the next), ``ngram``, ``model:PATH``, ``eagle3:PATH`` and ``oracle``
-(the true next token: the upper bound).
+drafter and reports, besides loss and top-1, the drafter's hit rate (its guess == the true next
+token) and per layer the agreement of the predicted top-K set with the set the true next query
+then picks from the same summaries (mean over heads of |predicted & true| / |true|). Drafters:
+``previous`` (the current query predicts the next), ``ngram``, ``model:PATH``, ``eagle3:PATH``
+and ``oracle`` (the true next token: the upper bound).
 
 Every run goes through ``LLMEngine.step(forced=...)``, the engine's teacher-forcing step; the
 set-agreement observer and the oracle drafter are attached through the backend factory.
@@ -49,10 +49,12 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", required=True, help='JSON file {"docs": [...]} of held-out text')
     parser.add_argument("--windows", type=int, default=4, help="number of windows")
     parser.add_argument("--window-len", type=int, default=4096, help="tokens per window")
-    parser.add_argument("--last", type=int, default=256, help="decoded (scored) positions at each window's end")
+    parser.add_argument("--last", type=int, default=256,
+                        help="decoded (scored) positions at each window's end")
     parser.add_argument("--topk-blocks", default="16,32,64", help="K values to evaluate")
     parser.add_argument("--fetch-ratio", type=float, default=0.05, help="f_HBM of the capped runs")
-    parser.add_argument("--drafts", default="", help="lookahead drafters to compare, e.g. previous,ngram,oracle,"
+    parser.add_argument("--drafts", default="",
+                        help="lookahead drafters to compare, e.g. previous,ngram,oracle,"
                         "model:PATH,eagle3:PATH (empty: skip)")
     parser.add_argument("--draft-k", type=int, default=32, help="K of the lookahead runs")
     parser.add_argument("--device", default="auto")
@@ -63,14 +65,16 @@ def windows(engine: LLMEngine, text_file: str, count: int, length: int) -> list[
     docs = json.loads(Path(text_file).read_text())["docs"]
     ids = engine.encode("\n".join(docs))
     if len(ids) < count * length:
-        raise ValueError(f"{text_file} has {len(ids)} tokens, fewer than {count} windows of {length}")
+        raise ValueError(f"{text_file} has {len(ids)} tokens, fewer than {count} windows of "
+                         f"{length}")
     stride = len(ids) // count
     return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
 class SetAgreement:
-    """Observer of the sparse backend: pairs each layer's predicted top-K (made at step t) with the top-K
-    the real query picks at step t+1, per sequence slot; accumulates the mean overlap per layer."""
+    """Observer of the sparse backend: pairs each layer's predicted top-K (made at step t) with the
+    top-K the real query picks at step t+1, per sequence slot; accumulates the mean overlap per
+    layer."""
 
     def __init__(self, num_layers: int):
         self.pending: dict[tuple[int, int], torch.Tensor] = {}
@@ -111,8 +115,8 @@ class OracleDrafter(Drafter):
 
 def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int,
                    oracle: OracleDrafter | None = None):
-    """Mean NLL of the true tokens at each window's last ``last`` positions, the greedy tokens, and the
-    drafter's hit rate (None without guesses)."""
+    """Mean NLL of the true tokens at each window's last ``last`` positions, the greedy tokens, and
+    the drafter's hit rate (None without guesses)."""
     params = SamplingParams(max_tokens=last, temperature=0, ignore_eos=True, logprobs=1)
     forced = {engine.add_request(w[:-last], params): w[-last:] for w in wins}
     if oracle is not None:
@@ -129,12 +133,13 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int,
         hits += engine.stats.kv.get("draft_hits", 0)
         tries += engine.stats.kv.get("draft_guesses", 0)
     losses = [x for rid in forced for x in nll[rid]]
-    return sum(losses) / len(losses), [greedy[rid] for rid in forced], hits / tries if tries else None
+    return (sum(losses) / len(losses), [greedy[rid] for rid in forced],
+            hits / tries if tries else None)
 
 
 def evaluate(args: argparse.Namespace) -> list[Run]:
-    base = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.window_len + 1,
-                max_num_batched_tokens=args.window_len)
+    base = dict(model=args.model, device=args.device, dtype=args.dtype,
+                max_model_len=args.window_len + 1, max_num_batched_tokens=args.window_len)
     dense = LLMEngine(**base)
     wins = windows(dense, args.text, args.windows, args.window_len)
     runs = [Run("dense", *teacher_forced(dense, wins, args.last)[:2])]
@@ -142,7 +147,8 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     for k in (int(x) for x in args.topk_blocks.split(",")):
         for ratio in (1.0, args.fetch_ratio):
-            engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio, host_kv_gib=host_gib)
+            engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,
+                               host_kv_gib=host_gib)
             label = f"oasis K={k} " + ("no cap" if ratio == 1.0 else f"cap f={ratio}")
             runs.append(Run(label, *teacher_forced(engine, wins, args.last)[:2]))
             _free(engine)
@@ -152,13 +158,15 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
 
 
 def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec: str) -> Run:
-    """Teacher-forced lookahead (K = draft_k, cap on) with one drafter, observed for set agreement."""
+    """Teacher-forced lookahead (K = draft_k, cap on) with one drafter, observed for set
+    agreement."""
     oracle = OracleDrafter() if spec == "oracle" else None
     config = EngineConfig.from_flat(**base, kv_mode="oasis", topk_blocks=args.draft_k,
                                     fetch_ratio=args.fetch_ratio, host_kv_gib=host_gib,
                                     draft="previous" if oracle else spec)
     agreement = SetAgreement(ModelConfig.from_file(Path(args.model) / "config.json").num_layers)
-    engine = LLMEngine(config, backend_factory=oasis_backend(TierProbes(observers=[agreement]), oracle))
+    engine = LLMEngine(config,
+                       backend_factory=oasis_backend(TierProbes(observers=[agreement]), oracle))
     loss, top1, hit_rate = teacher_forced(engine, wins, args.last, oracle)
     _free(engine)
     run = Run(f"lookahead K={args.draft_k} f={args.fetch_ratio} {spec}", loss, top1)
@@ -167,7 +175,8 @@ def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec
 
 
 def _free(engine: LLMEngine) -> None:
-    """Give an engine's device memory back before the next one sizes its storage from what is free."""
+    """Give an engine's device memory back before the next one sizes its storage from what is
+    free."""
     del engine.runner
     gc.collect()
     if torch.cuda.is_available():
@@ -183,8 +192,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     runs = evaluate(args)
     dense = runs[0]
     rows = []
-    print(f"\n{args.windows} windows x {args.window_len} tokens, last {args.last} positions teacher-forced, "
-          f"block 16, model {args.model}")
+    print(f"\n{args.windows} windows x {args.window_len} tokens, last {args.last} positions "
+          f"teacher-forced, block 16, model {args.model}")
     print(f"{'setting':28} {'loss':>7} {'vs dense':>9} {'top-1 = dense':>14}")
     for run in runs:
         same = sum(a == b for g, d in zip(run.top1, dense.top1) for a, b in zip(g, d))
@@ -193,11 +202,14 @@ def run_from_args(args: argparse.Namespace) -> int:
                      "top1_agreement": same / total, "draft_hit_rate": run.draft_hit_rate,
                      "set_agreement_per_layer": run.set_agreement})
         extra = "" if run.set_agreement is None else (
-            f"  draft hit {'-' if run.draft_hit_rate is None else f'{run.draft_hit_rate:.3f}'}, set agreement per layer "
+            f"  draft hit {'-' if run.draft_hit_rate is None else f'{run.draft_hit_rate:.3f}'}, "
+            f"set agreement per layer "
             + " ".join(f"{a:.2f}" for a in run.set_agreement)
             + f" (mean {sum(run.set_agreement) / len(run.set_agreement):.3f})")
-        print(f"{run.setting:28} {run.loss:7.4f} {run.loss - dense.loss:+9.4f} {same / total:14.3f}{extra}")
-    print(json.dumps({"windows": args.windows, "window_len": args.window_len, "last": args.last, "runs": rows}))
+        print(f"{run.setting:28} {run.loss:7.4f} {run.loss - dense.loss:+9.4f} "
+              f"{same / total:14.3f}{extra}")
+    print(json.dumps({"windows": args.windows, "window_len": args.window_len, "last": args.last,
+                      "runs": rows}))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Roofline helpers: measured copy bandwidth of the device and the bytes one decode step must read."""
+"""Roofline helpers: measured copy bandwidth of the device and the bytes one decode step must
+read."""
 from __future__ import annotations
 
 import time

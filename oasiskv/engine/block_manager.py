@@ -6,7 +6,8 @@ block that is cached (its hash registered) holds exactly the tokens that hash na
 
 Prefix sharing: a completed block is registered under the hash of all tokens up to its end. A new
 sequence whose prompt starts with registered blocks takes them (ref count + 1) instead of computing
-them. Freed blocks keep their hash until they are handed out again, so a later request can revive them.
+them. Freed blocks keep their hash until they are handed out again, so a later request can revive
+them.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class BlockManager(KVAllocator):
         self.block_size = block_size
         self._num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # Free blocks in reuse order (oldest freed first); OrderedDict gives O(1) removal on revival.
+        # Free blocks in reuse order (oldest freed first); OrderedDict gives O(1) removal on
+        # revival.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.enable_prefix_sharing = enable_prefix_sharing
         self.hash_to_block: dict[int, int] = {}
@@ -44,7 +46,8 @@ class BlockManager(KVAllocator):
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         need = self.blocks_to_add(seq, num_new_tokens)
         if need > len(self.free_blocks):
-            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free_blocks)} free")
+            raise RuntimeError(f"KV pool exhausted: need {need} blocks, "
+                               f"{len(self.free_blocks)} free")
         for _ in range(need):
             block, _ = self.free_blocks.popitem(last=False)
             self._forget_hash(block)
@@ -62,7 +65,8 @@ class BlockManager(KVAllocator):
 
     def reuse_prefix(self, seq: Sequence) -> int:
         """Share registered blocks covering the start of a fresh prompt (never its last token)."""
-        if not self.enable_prefix_sharing or seq.block_table or seq.params.prompt_logprobs is not None:
+        if (not self.enable_prefix_sharing or seq.block_table
+                or seq.params.prompt_logprobs is not None):
             return 0
         tokens, bs, last = seq.token_ids, self.block_size, 0
         num_full = (len(tokens) - 1) // bs

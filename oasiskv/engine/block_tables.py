@@ -1,4 +1,5 @@
-"""BlockTableRows: the step's block tables as one int32 array, from per-sequence rows kept between steps.
+"""BlockTableRows: the step's block tables as one int32 array, from per-sequence rows kept between
+steps.
 
 A sequence's ``block_table`` only grows by appending, or is replaced by a new list when the sequence
 loses its blocks (preemption, finish). Rebuilding ``[batch, width]`` from Python lists every step
@@ -13,7 +14,8 @@ import numpy as np
 class BlockTableRows:
     def __init__(self, max_live: int):
         self.max_live = max_live
-        self._rows: dict[int, tuple[list[int], np.ndarray, int]] = {}  # seq_id -> (its list, row, entries in row)
+        # seq_id -> (its list, row, entries in row)
+        self._rows: dict[int, tuple[list[int], np.ndarray, int]] = {}
 
     def build(self, seqs) -> np.ndarray:
         """int32 ``[len(seqs), widest table]``: each sequence's block table, zero padded."""
@@ -34,7 +36,8 @@ class BlockTableRows:
             row, filled = np.empty(max(16, 2 * len(table)), dtype=np.int32), 0
         if len(table) > filled:
             if len(table) > len(row):
-                row = np.concatenate([row[:filled], np.empty(2 * len(table) - filled, dtype=np.int32)])
+                row = np.concatenate([row[:filled],
+                                      np.empty(2 * len(table) - filled, dtype=np.int32)])
             row[filled:len(table)] = table[filled:]
             filled = len(table)
         self._rows[seq.seq_id] = (table, row, filled)

@@ -2,9 +2,9 @@
 
 Static buffers hold the largest bucket; a step of B sequences copies its ForwardBatch into them and
 replays the smallest bucket b >= B. With ``k = backend.rows_per_seq`` a bucket of b runs k * b rows:
-row group j (rows j*b .. j*b + b) holds the step's group j (its sequences' tokens, then each group of
-the backend's extra rows), padded to b. Padding rows have slot -1 (nothing stored), position 0 and
-context length 0 (the decode kernels skip them); the backend pads its own ``meta`` in
+row group j (rows j*b .. j*b + b) holds the step's group j (its sequences' tokens, then each group
+of the backend's extra rows), padded to b. Padding rows have slot -1 (nothing stored), position 0
+and context length 0 (the decode kernels skip them); the backend pads its own ``meta`` in
 ``prepare_replay``. Block tables are ``max_blocks_per_seq`` wide so the graph's kernel grids never
 depend on the step's contents. All buckets share one memory pool.
 """
@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 def graph_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 (of 16 past 128) up to ``max_bs``. Buckets are dense because
-    a bucket fixes the decode kernel's split count for its size: padding rows idle their programs."""
+    """1, 2, 4, then every multiple of 8 (of 16 past 128) up to ``max_bs``. Buckets are dense
+    because a bucket fixes the decode kernel's split count for its size: padding rows idle their
+    programs."""
     sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, min(max_bs, 128), 8)) + \
         list(range(128, max_bs, 16))
     return sorted(set(sizes + [max_bs]))
@@ -42,7 +43,8 @@ class CudaGraphRunner:
             input_ids=torch.zeros(rows, dtype=torch.long, device=device),
             positions=torch.zeros(rows, dtype=torch.long, device=device),
             slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=device),
-            block_tables=torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32, device=device),
+            block_tables=torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32,
+                                     device=device),
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
         )
         self.metas = backend.init_graphs(self.buckets)
@@ -71,7 +73,8 @@ class CudaGraphRunner:
         for bs in reversed(self.buckets):
             view = self._view(bs)
             with forward_context(view, self.backend):
-                self.model(view.input_ids, view.positions)  # warm-up: compiles kernels outside capture
+                # warm-up: compiles kernels outside capture
+                self.model(view.input_ids, view.positions)
                 self.backend.begin_capture()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

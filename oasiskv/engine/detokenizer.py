@@ -25,7 +25,8 @@ class Detokenizer:
             return None
         self._before_push = (len(self.ids), self.prefix_offset, self.read_offset, self.text)
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset],
+                                       skip_special_tokens=True)
         full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return None  # an unfinished character, or a token with no text (e.g. special)
@@ -47,4 +48,5 @@ class Detokenizer:
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show now: everything once finished, else all but the held-back tail."""
-        return self.text if finished or not self.hold else self.text[: max(0, len(self.text) - self.hold)]
+        return (self.text if finished or not self.hold
+                else self.text[: max(0, len(self.text) - self.hold)])

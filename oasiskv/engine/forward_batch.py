@@ -1,9 +1,9 @@
 """ForwardBatch: everything attention needs about one step, and the scope that makes it visible.
 
 The model runner builds one ``ForwardBatch`` per step and runs the model inside
-``with forward_context(batch, backend):``; attention layers read it through ``get_forward_context()``.
-Nothing else is threaded through model signatures. The context is per-thread and only valid inside
-the ``with`` block.
+``with forward_context(batch, backend):``; attention layers read it through
+``get_forward_context()``. Nothing else is threaded through model signatures. The context is
+per-thread and only valid inside the ``with`` block.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -47,6 +48,18 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list / numpy array -> tensor on ``device``: through pinned memory and a non-blocking
+    copy on CUDA (ordered on the current stream before any later use), as is elsewhere."""
+    if isinstance(data, np.ndarray):
+        host = torch.from_numpy(data)
+    else:
+        host = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -35,11 +35,14 @@ class KVAllocator(ABC):
         """Release every block ``seq`` holds and clear its block table."""
 
     def blocks_to_add(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks ``seq``'s table must grow by to hold its computed tokens plus ``num_new_tokens``."""
-        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
+        """Blocks ``seq``'s table must grow by to hold its computed tokens plus
+        ``num_new_tokens``."""
+        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+                   - len(seq.block_table))
 
     def reuse_prefix(self, seq: Sequence) -> int:
-        """Attach already-cached blocks for a new sequence's prompt; returns tokens skipped (default 0)."""
+        """Attach already-cached blocks for a new sequence's prompt; returns tokens skipped
+        (default 0)."""
         return 0
 
     def on_computed(self, seq: Sequence) -> None:

@@ -64,7 +64,8 @@ class EngineStats:
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
     last_step_prefill: bool = False
-    kv: dict = field(default_factory=dict)  # the backend's counters of the last step (tiered KV: fetches, ...)
+    # the backend's counters of the last step (tiered KV: fetches, ...)
+    kv: dict = field(default_factory=dict)
     kv_totals: dict = field(default_factory=dict)  # its counters summed over all steps
 
 
@@ -93,7 +94,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_path, self.model_config, backend_factory)
         self.max_model_len = self.runner.max_model_len
         self.allocator = self.runner.backend.make_allocator()
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -105,13 +107,15 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"model {self.model_path} has no tokenizer: pass prompt token ids instead of text")
+            raise ValueError(f"model {self.model_path} has no tokenizer: pass prompt token ids "
+                             f"instead of text")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError (nothing queued) on bad input.
-        ``arrival_time`` (``time.monotonic()`` seconds) is when a caller received it; default now."""
+        ``arrival_time`` (``time.monotonic()`` seconds) is when a caller received it; default
+        now."""
         params = (params or SamplingParams()).validate(self.model_config.vocab_size)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
@@ -134,10 +138,12 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but this engine's context limit is "
-                             f"{self.max_model_len} (prompt + output): shorten the prompt or raise max_model_len")
+                             f"{self.max_model_len} (prompt + output): shorten the prompt or "
+                             f"raise max_model_len")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its KV at once. Returns False when it is unknown or already done."""
+        """Stop a request and free its KV at once. Returns False when it is unknown or already
+        done."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -203,7 +209,8 @@ class LLMEngine:
         if seq is None or not seq.output_token_ids or seq.num_computed_tokens >= len(seq):
             raise ValueError(f"request {request_id!r} has no sampled token waiting to be computed")
         if not 0 <= token < self.model_config.vocab_size:
-            raise ValueError(f"token {token} is outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise ValueError(f"token {token} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         req.detok.undo_push()
         seq.token_ids[-1] = seq.output_token_ids[-1] = token
         reason = self._stop_reason(seq, token)
@@ -237,11 +244,13 @@ class LLMEngine:
         out = RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=text,
-            new_token_ids=seq.output_token_ids[req.emitted_tokens:], new_text=text[req.emitted_text:],
+            new_token_ids=seq.output_token_ids[req.emitted_tokens:],
+            new_text=text[req.emitted_text:],
             finished=finished, finish_reason=seq.finish_reason,
             logprobs=list(seq.output_logprobs) if want_lp else None,
             new_logprobs=seq.output_logprobs[req.emitted_logprobs:] if want_lp else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs)
+            if seq.params.prompt_logprobs is not None else None,
             error=req.error, arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             finish_time=time.monotonic() if finished else None)
         req.emitted_tokens, req.emitted_text = len(seq.output_token_ids), len(text)
@@ -253,7 +262,8 @@ class LLMEngine:
     def _record_step(self, batch, num_sampled: int, seconds: float, kv: StepStats) -> None:
         s = self.stats
         s.num_steps += 1
-        s.last_step_seconds, s.last_batch_size, s.last_step_prefill = seconds, len(batch), batch.is_prefill
+        s.last_step_seconds, s.last_batch_size, s.last_step_prefill = (seconds, len(batch),
+                                                                       batch.is_prefill)
         if batch.is_prefill:
             s.prompt_tokens_total += sum(batch.num_tokens)
         s.generation_tokens_total += num_sampled

@@ -1,9 +1,11 @@
 """ModelRunner: turns a ScheduledBatch into one forward pass and sampled tokens.
 
-Owns the model, the attention backend (and so the KV pool), CUDA graphs and the sampler inputs.
-Builds the step's ``ForwardBatch`` on the host (pinned memory, non-blocking copies on CUDA), runs the
-model inside ``forward_context``, computes logits only for rows that need them, samples, and moves the
-results to the host once per step. Knows nothing about scheduling policy or text.
+Owns the model, the attention backend (and so the KV storage), CUDA graphs and the sampler inputs.
+Builds the step's ``ForwardBatch`` on the host (pinned memory, non-blocking copies on CUDA) with the
+backend's ``prepare`` (its per-step meta, extra rows), runs the model inside ``forward_context`` or
+replays a graph, computes logits only for the sequences' rows that need them, samples, and moves the
+results to the host once per step; ``finish`` hands the step back to the backend. Knows nothing
+about scheduling policy, text, or what a backend does with its lifecycle.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from oasiskv.attention.base import StepStats
 from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
 from oasiskv.engine.block_tables import BlockTableRows
 from oasiskv.engine.cuda_graph import CudaGraphRunner
-from oasiskv.engine.forward_batch import ForwardBatch, forward_context
+from oasiskv.engine.forward_batch import ForwardBatch, forward_context, to_device
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence, TokenLogprobs
 from oasiskv.layers.sampler import SamplingTensors, sample, token_logprobs
@@ -41,17 +43,21 @@ class StepResult:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> a device; CUDA devices always carry an index."""
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> a device; CUDA devices always carry an
+    index."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto"
+                          else name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but no CUDA GPU is available; use --device cpu")
+        raise ValueError(f"device {name!r} requested but no CUDA GPU is available; "
+                         f"use --device cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto`` -> the checkpoint's dtype on CUDA, float32 elsewhere (CPUs are slow at 16-bit math)."""
+    """``auto`` -> the checkpoint's dtype on CUDA, float32 elsewhere (CPUs are slow at 16-bit
+    math)."""
     return parse_dtype(name) or (model_config.dtype if device.type == "cuda" else torch.float32)
 
 
@@ -65,13 +71,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         max_len = config.max_model_len or model_config.max_position_embeddings
         self.model = load_model(model_path, model_config, self.dtype, self.device,
-                                max(max_len, model_config.max_position_embeddings), config.load_format)
+                                max(max_len, model_config.max_position_embeddings),
+                                config.load_format)
         self.backend = backend_factory(config, self.model, self.dtype, self.device)
         self.backend.allocate(self._measure_budget() if self.device.type == "cuda" else None)
         self.max_model_len = min(max_len, self.backend.max_tokens_per_seq)
         if self.max_model_len < max_len:
-            logger.warning("max_model_len lowered from %d to %d: the KV storage holds only %d tokens "
-                           "per sequence", max_len, self.max_model_len, self.backend.max_tokens_per_seq)
+            logger.warning("max_model_len lowered from %d to %d: the KV storage holds only %d "
+                           "tokens per sequence", max_len, self.max_model_len,
+                           self.backend.max_tokens_per_seq)
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.block_tables = BlockTableRows(config.max_num_seqs)
@@ -83,13 +91,14 @@ class ModelRunner:
                                           self.max_blocks_per_seq, self.device)
 
     def _measure_budget(self) -> int:
-        """Warm up with the largest prefill, then return the device bytes ``gpu_memory_utilization`` leaves
-        for KV storage."""
+        """Warm up with the largest prefill, then return the device bytes
+        ``gpu_memory_utilization`` leaves for KV storage."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
         warm = ForwardBatch(True, torch.zeros(n, dtype=torch.long, device=self.device),
-                            torch.arange(n, device=self.device), torch.full((n,), -1, device=self.device),
+                            torch.arange(n, device=self.device),
+                            torch.full((n,), -1, device=self.device),
                             torch.zeros((1, 1), dtype=torch.int32, device=self.device),
                             torch.tensor([n], dtype=torch.int32, device=self.device), [n], [0])
         with torch.inference_mode(), forward_context(warm, self.backend):
@@ -105,7 +114,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, forced: list[int | None] | None = None) -> StepResult:
         """One step: forward, then the next token of every sequence whose tokens are all computed:
-        sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score it)."""
+        sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score
+        it)."""
         return self._sample(batch, self.forward(batch), forced)
 
     @torch.inference_mode()
@@ -130,11 +140,14 @@ class ModelRunner:
                 return self.model(fb.input_ids, fb.positions)
 
     def _device_scope(self):
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        return (torch.cuda.device(self.device) if self.device.type == "cuda"
+                else contextlib.nullcontext())
 
     @torch.inference_mode()
-    def next_token_logits(self, batch: ScheduledBatch, hidden: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
-        """The sequences that get a next token this step and their logits ``[n, vocab]`` (float32)."""
+    def next_token_logits(self, batch: ScheduledBatch,
+                          hidden: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences that get a next token this step and their logits ``[n, vocab]``
+        (float32)."""
         rows, seqs, end = [], [], 0
         for seq, n, samples in zip(batch.seqs, batch.num_tokens, batch.samples):
             end += n
@@ -146,11 +159,7 @@ class ModelRunner:
         return seqs, self.model.compute_logits(hidden)
 
     def _to_device(self, data, dtype) -> torch.Tensor:
-        """Host list / array -> device tensor through pinned memory and a non-blocking copy (CUDA)."""
-        host = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     def _prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         ids, pos, slots, ctx = [], [], [], []
@@ -200,7 +209,8 @@ class ModelRunner:
             if lps is not None and seq.params.logprobs is not None:
                 lp, top_ids, top_lps = lps[j]
                 n = seq.params.logprobs
-                result.logprobs[i] = TokenLogprobs(tokens[j], lp, list(zip(top_ids[:n], top_lps[:n])))
+                result.logprobs[i] = TokenLogprobs(tokens[j], lp,
+                                                   list(zip(top_ids[:n], top_lps[:n])))
         return result
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult):
@@ -212,7 +222,8 @@ class ModelRunner:
             if want is None:
                 continue
             first = max(start, len(seq.prompt_logprobs))  # tokens 1..len already scored (recompute)
-            last = min(start + n, seq.num_prompt_tokens - 1)  # positions first..last-1 score prompt tokens
+            # positions first..last-1 score prompt tokens
+            last = min(start + n, seq.num_prompt_tokens - 1)
             for a in range(first, last, PROMPT_LOGITS_CHUNK):
                 b = min(a + PROMPT_LOGITS_CHUNK, last)
                 rows = hidden[ends[i] - n + (a - start): ends[i] - n + (b - start)]
@@ -233,7 +244,8 @@ class ModelRunner:
             min_p=self._to_device([x.min_p for x in p], torch.float32),
             generators=[self._seq_generator(s) for s in seqs],
             all_greedy=False,
-            needs_filter=any(x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0 for x in p if not x.greedy),
+            needs_filter=any(x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0
+                             for x in p if not x.greedy),
             max_logprobs=max_logprobs,
         )
 

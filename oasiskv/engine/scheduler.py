@@ -111,7 +111,8 @@ class Scheduler:
             else:
                 self.allocator.allocate(seq, 1)
                 scheduled.append(seq)
-        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) if scheduled else None
+        return (ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False)
+                if scheduled else None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

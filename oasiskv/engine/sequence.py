@@ -30,9 +30,9 @@ _ids = itertools.count()
 class Sequence:
     """A request in flight.
 
-    ``num_computed_tokens`` tokens already have K/V in the cache; the rest of ``token_ids`` must still
-    be run through the model (the whole prompt at first; after preemption everything again). The block
-    table maps the sequence's blocks, in order, to KV pool blocks.
+    ``num_computed_tokens`` tokens already have K/V in the cache; the rest of ``token_ids`` must
+    still be run through the model (the whole prompt at first; after preemption everything again).
+    The block table maps the sequence's blocks, in order, to KV pool blocks.
     """
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -48,10 +48,12 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
-    sampler_generator: object = None  # torch.Generator of a seeded request, made by the model runner
+    # torch.Generator of a seeded request, made by the model runner
+    sampler_generator: object = None
 
     def __post_init__(self):
-        self.token_ids: list[int] = self.prompt_token_ids + self.output_token_ids  # all tokens, grows
+        # all tokens, grows
+        self.token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -67,7 +69,8 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         """True while more than the last token still needs a forward pass."""
-        return self.num_uncomputed_tokens > 1 or not self.output_token_ids and self.num_uncomputed_tokens > 0
+        return (self.num_uncomputed_tokens > 1
+                or not self.output_token_ids and self.num_uncomputed_tokens > 0)
 
     @property
     def is_finished(self) -> bool:

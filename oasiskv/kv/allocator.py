@@ -56,7 +56,8 @@ class TieredAllocator(KVAllocator):
         self.on_free(seq)
 
     def check_invariants(self, live: list[Sequence]) -> None:
-        """Every host block and slot is free or owned by exactly one live sequence (tests call this)."""
+        """Every host block and slot is free or owned by exactly one live sequence (tests call
+        this)."""
         owned = [b for s in live for b in s.block_table]
         assert len(owned) == len(set(owned)) and not set(owned) & set(self.free_blocks)
         assert len(owned) + len(self.free_blocks) == self._num_host_blocks

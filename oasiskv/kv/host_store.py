@@ -1,9 +1,9 @@
 """HostStore: every block of every running sequence, in host memory (pinned when CUDA is present).
 
-Layout ``[num_host_blocks, num_layers, Hk, B, D]`` per K and V (see ``layout.py``). On CUDA the Triton
-kernels read and write it directly through unified virtual addressing; elsewhere torch indexes it.
-Size comes from a setting (``host_kv_gib``), never from MemTotal: GPU hosts report far less than they
-have until memory is touched. Pinning ~100 GB takes tens of seconds at start-up.
+Layout ``[num_host_blocks, num_layers, Hk, B, D]`` per K and V (see ``layout.py``). On CUDA the
+Triton kernels read and write it directly through unified virtual addressing; elsewhere torch
+indexes it. Size comes from a setting (``host_kv_gib``), never from MemTotal: GPU hosts report far
+less than they have until memory is touched. Pinning ~100 GB takes tens of seconds at start-up.
 
 Host block ids index rows of ``k``/``v`` through ``physical_blocks`` / ``physical_slots`` (here the
 identity): a store that answers for more ids than it holds rows overrides them.
@@ -27,8 +27,10 @@ class HostStore:
         if num_blocks < 1:
             raise ValueError("the host store needs at least one block: raise host_kv_gib")
         self.layout, self.num_blocks = layout, num_blocks
-        shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size, layout.head_dim)
-        self.k, self.v = torch.empty(shape, dtype=layout.dtype), torch.empty(shape, dtype=layout.dtype)
+        shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
+                 layout.head_dim)
+        self.k, self.v = (torch.empty(shape, dtype=layout.dtype),
+                          torch.empty(shape, dtype=layout.dtype))
         if pin:
             for t in (self.k, self.v):
                 _page_lock(self, t)
@@ -40,29 +42,32 @@ class HostStore:
         return ids
 
     def physical_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """Token slots ``block * B + offset`` (negative = none) -> slots in the rows of ``k``/``v``."""
+        """Token slots ``block * B + offset`` (negative = none) -> slots in the rows of
+        ``k``/``v``."""
         return slots
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_physical, Hk, B, D]`` of one layer's K and V (strided, last two dims contiguous)."""
+        """Views ``[num_physical, Hk, B, D]`` of one layer's K and V (strided, last two dims
+        contiguous)."""
         return self.k[:, layer], self.v[:, layer]
 
 
 def _page_lock(owner: object, t: torch.Tensor) -> None:
-    """Register ``t``'s memory with CUDA (page-locked, mapped for the device at the same address under
-    unified addressing) until ``owner`` is collected. torch's pinned allocator would round each
-    allocation up to a power of two, wasting up to half of a large store."""
+    """Register ``t``'s memory with CUDA (page-locked, mapped for the device at the same address
+    under unified addressing) until ``owner`` is collected. torch's pinned allocator would round
+    each allocation up to a power of two, wasting up to half of a large store."""
     cudart = torch.cuda.cudart()
     nbytes = t.numel() * t.element_size()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cannot page-lock {nbytes / 2**30:.1f} GiB of host memory for the host store "
-                           f"(cudaHostRegister error {int(err)}): lower host_kv_gib")
+        raise RuntimeError(f"cannot page-lock {nbytes / 2**30:.1f} GiB of host memory for the "
+                           f"host store (cudaHostRegister error {int(err)}): lower host_kv_gib")
     weakref.finalize(owner, _unlock, t)
 
 
 def _unlock(t: torch.Tensor) -> None:
-    """Undo ``_page_lock`` once no queued copy can still read ``t`` (which stays alive until then)."""
+    """Undo ``_page_lock`` once no queued copy can still read ``t`` (which stays alive until
+    then)."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

@@ -32,7 +32,8 @@ class Lookahead:
 
     @property
     def rows_per_seq(self) -> int:
-        """Rows a decode step runs per sequence: its token, plus a draft row when there is a drafter."""
+        """Rows a decode step runs per sequence: its token, plus a draft row when there is a
+        drafter."""
         return 1 if self.drafter is None else 2
 
     @staticmethod
@@ -56,8 +57,8 @@ class Lookahead:
         return ids, positions, rows
 
     def advance(self, batch: ScheduledBatch, aux: dict[int, torch.Tensor]) -> None:
-        """After a step (its tokens appended): count hits, let the drafter observe the step, and take
-        its guesses for every sequence that sampled. A failing drafter costs predictions (those
+        """After a step (its tokens appended): count hits, let the drafter observe the step, and
+        take its guesses for every sequence that sampled. A failing drafter costs predictions (those
         sequences select with their own query next step), never requests."""
         sampled = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
         for seq in sampled:

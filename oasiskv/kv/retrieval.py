@@ -32,8 +32,8 @@ class SyncRetrieval:
     def claim(self, layer: int) -> None:
         pass
 
-    def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                         pos: torch.Tensor) -> None:
+    def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
+                         tables: torch.Tensor, pos: torch.Tensor) -> None:
         complete = pos // self.kv.layout.block_size
         if not self.active:
             self.kv.notify_current(layer, q, slots, tables, complete)
@@ -82,8 +82,8 @@ class LookaheadRetrieval:
     def claim(self, layer: int) -> None:
         self.pipeline.wait(layer)  # this layer's working set is the foreground's again
 
-    def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                         pos: torch.Tensor) -> None:
+    def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
+                         tables: torch.Tensor, pos: torch.Tensor) -> None:
         self.kv.notify_current(layer, q, slots, tables, pos // self.kv.layout.block_size)
 
     def after_attention(self, layer: int, q_next: torch.Tensor, slots: torch.Tensor,

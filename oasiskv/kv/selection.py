@@ -7,8 +7,8 @@ stamps are refreshed); wanted blocks not resident are misses, admitted highest s
 least recently selected slot that holds no wanted block. Misses past the cap are deferred: not
 fetched this step. The local block is not among the K slots, so it is never evicted.
 
-On CUDA the same policy runs as one Triton kernel per layer (``kernels/select_blocks.py``); this torch
-form is its reference and the CPU path.
+On CUDA the same policy runs as one Triton kernel per layer (``kernels/select_blocks.py``); this
+torch form is its reference and the CPU path.
 
 Invariants (tests check them): at most ``cap`` admissions per head; a block is resident in at most
 one slot per head; a hit's slot is never a victim.
@@ -34,31 +34,34 @@ class Selection:
     admitted: torch.Tensor
 
 
-def plan_selection(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor, k: int, cap: int,
-                   now: int) -> Selection:
+def plan_selection(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor, k: int,
+                   cap: int, now: int) -> Selection:
     """Plan one layer's selection and update the residency tables in place.
 
-    scores ``[N, Hk, M]`` float32, -inf for blocks that do not exist; ws_map ``[N, Hk, K]`` int logical
-    block per slot (-1 empty); ws_last ``[N, Hk, K]`` int64 last-selected stamps; ``now`` the step's stamp
-    (an int or a 0-d device tensor).
+    scores ``[N, Hk, M]`` float32, -inf for blocks that do not exist; ws_map ``[N, Hk, K]`` int
+    logical block per slot (-1 empty); ws_last ``[N, Hk, K]`` int64 last-selected stamps; ``now``
+    the step's stamp (an int or a 0-d device tensor).
     ``ws_map``/``ws_last`` are per-row copies (gathered by the caller) and are updated in place.
     """
     n, heads, m = scores.shape
     k_eff = min(k, m)
     top_scores, top_blocks = scores.topk(k_eff, dim=-1)              # sorted, best first
     wanted = top_scores > float("-inf")
-    slot_of = _slot_of_block(ws_map, m)                                # [N, Hk, M + 1], -1 = not resident
+    # [N, Hk, M + 1], -1 = not resident
+    slot_of = _slot_of_block(ws_map, m)
     top_slot = slot_of.gather(-1, top_blocks)
     hit = wanted & (top_slot >= 0)
     miss = wanted & (top_slot < 0)
 
-    # victims: empty slots first, then least recently selected; slots holding a wanted block are protected
+    # victims: empty slots first, then least recently selected; slots holding a wanted block are
+    # protected
     key = torch.where(ws_map < 0, torch.full_like(ws_last, _EMPTY_FIRST), ws_last)
     key = scatter_where(key, hit, top_slot, _PROTECTED)
     victims = key.argsort(dim=-1, stable=True)                         # [N, Hk, K]
     scatter_where(ws_last, hit, top_slot, now, out=ws_last)
 
-    rank = miss.long().cumsum(-1) - 1                                   # misses are in score order already
+    # misses are in score order already
+    rank = miss.long().cumsum(-1) - 1
     admit = miss & (rank < cap)
     dst = victims.gather(-1, rank.clamp(min=0, max=k - 1))
     scatter_where(ws_map, admit, dst, top_blocks, out=ws_map)
@@ -74,17 +77,19 @@ def plan_selection(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Te
 
 def scatter_where(table: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, value, out=None):
     """``table[..., index[..., i]] = value[..., i]`` where ``mask[..., i]`` (rows of the last dim),
-    through a scratch column so masked-out entries write nowhere. Returns the result (``out`` if given)."""
+    through a scratch column so masked-out entries write nowhere. Returns the result (``out`` if
+    given)."""
     ext = torch.cat([table, table.new_zeros(*table.shape[:-1], 1)], dim=-1)
-    values = value.expand_as(index) if isinstance(value, torch.Tensor) else torch.full_like(index, value)
+    values = (value.expand_as(index) if isinstance(value, torch.Tensor)
+              else torch.full_like(index, value))
     ext.scatter_(-1, torch.where(mask, index, table.shape[-1]).long(), values.to(table.dtype))
     result = ext[..., :-1]
     return out.copy_(result) if out is not None else result
 
 
 def _slot_of_block(ws_map: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """Inverse of ``ws_map``: ``[N, Hk, num_blocks + 1]`` slot holding each block, -1 if none (column
-    ``num_blocks`` absorbs empty slots)."""
+    """Inverse of ``ws_map``: ``[N, Hk, num_blocks + 1]`` slot holding each block, -1 if none
+    (column ``num_blocks`` absorbs empty slots)."""
     n, heads, k = ws_map.shape
     inv = torch.full((n, heads, num_blocks + 1), -1, dtype=torch.long, device=ws_map.device)
     target = torch.where((ws_map >= 0) & (ws_map < num_blocks), ws_map.long(), num_blocks)

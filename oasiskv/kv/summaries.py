@@ -1,4 +1,5 @@
-"""SummaryStore: per (host block, kv-head) element-wise max and min of the block's post-RoPE keys, in HBM.
+"""SummaryStore: per (host block, kv-head) element-wise max and min of the block's post-RoPE keys,
+in HBM.
 
 Indexed by host block id, one table per layer: ``[num_host_blocks, Hk, 2, D]``. A block's summary is
 written once, when the block completes (prefill, or the local block filling during decode), and is
@@ -15,9 +16,11 @@ from oasiskv.kv.layout import TieredLayout
 
 
 class SummaryStore:
-    def __init__(self, layout: TieredLayout, num_host_blocks: int, device: torch.device, alpha: float):
+    def __init__(self, layout: TieredLayout, num_host_blocks: int, device: torch.device,
+                 alpha: float):
         shape = (num_host_blocks, layout.num_kv_heads, 2, layout.head_dim)
-        self.tables = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+        self.tables = [torch.zeros(shape, dtype=layout.dtype, device=device)
+                       for _ in range(layout.num_layers)]
         self.alpha = alpha
         cuda = device.type == "cuda"
         self._minmax, self._scores = kernel("block_minmax", cuda), kernel("block_scores", cuda)
@@ -25,11 +28,12 @@ class SummaryStore:
     def update(self, layer: int, src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor,
                dst_block: torch.Tensor, dst_head: torch.Tensor) -> None:
         """Summarise complete blocks ``src[idx0[i], idx1[i]]`` (src a ``[I0, I1, B, D]`` view) into
-        (``dst_block[i]``, ``dst_head[i]``) of ``layer``; entries with ``dst_block < 0`` are skipped."""
+        (``dst_block[i]``, ``dst_head[i]``) of ``layer``; entries with ``dst_block < 0`` are
+        skipped."""
         self._minmax(src, idx0, idx1, self.tables[layer], dst_block, dst_head)
 
     def scores(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor,
                num_blocks: torch.Tensor) -> torch.Tensor:
-        """q ``[N, Hq, D]`` -> float32 ``[N, Hk, max_blocks]`` scores of each row's first ``num_blocks[n]``
-        blocks (host ids from ``block_tables``), -inf past them."""
+        """q ``[N, Hq, D]`` -> float32 ``[N, Hk, max_blocks]`` scores of each row's first
+        ``num_blocks[n]`` blocks (host ids from ``block_tables``), -inf past them."""
         return self._scores(q, self.tables[layer], block_tables, num_blocks, self.alpha)

@@ -65,7 +65,8 @@ class TieredKV:
         self.summaries: SummaryStore | None = None
         self.ws: WorkingSet | None = None
         cuda = device.type == "cuda"
-        self._store, self._attend = kernel("store_kv", cuda), kernel("sparse_decode_attention", cuda)
+        self._store, self._attend = (kernel("store_kv", cuda),
+                                     kernel("sparse_decode_attention", cuda))
         self._gather = kernel("gather_blocks", cuda)
         self.now = torch.zeros((), dtype=torch.long, device=device)  # decode step stamp (LRU key)
         #: the selection kernel adds hits, misses and admitted blocks here, in this order
@@ -83,11 +84,13 @@ class TieredKV:
         """Summaries for every host block id and ``num_slots`` working sets (one of them the graph
         padding rows' scratch slot)."""
         self.host = host
-        self.summaries = SummaryStore(self.layout, host.num_blocks, self.device, self.config.score_alpha)
+        self.summaries = SummaryStore(self.layout, host.num_blocks, self.device,
+                                      self.config.score_alpha)
         self.ws = WorkingSet(self.layout, num_slots, self.device)
 
     # ---- prefill ---------------------------------------------------------------------------------
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
         """Write the step's K/V ``[T, Hk, D]`` into the host store (negative slots skipped)."""
         host_k, host_v = self.host.layer(layer)
         self._store(k, v, host_k, host_v, self.host.physical_slots(slot_mapping))
@@ -96,7 +99,8 @@ class TieredKV:
         """Dense attention over each sequence's prompt (a chunk's prefix read from the host store),
         summaries of the blocks the step completed, and seeding where the step ends a prefill."""
         B, step = self.layout.block_size, batch.meta
-        out = prefill_attention(q, k, v, batch, scale, lambda i, n: self._host_prefix(layer, batch, i, n))
+        out = prefill_attention(q, k, v, batch, scale,
+                                lambda i, n: self._host_prefix(layer, batch, i, n))
         end = 0
         for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
             end += n
@@ -129,8 +133,8 @@ class TieredKV:
         heads = self.layout.num_kv_heads
         blocks = host_blocks.long().repeat_interleave(heads)
         head = torch.arange(heads, device=blocks.device).repeat(host_blocks.numel())
-        self.summaries.update(layer, self.host.layer(layer)[0], self.host.physical_blocks(blocks), head,
-                              blocks, head)
+        self.summaries.update(layer, self.host.layer(layer)[0], self.host.physical_blocks(blocks),
+                              head, blocks, head)
 
     def _seed(self, layer: int, q_last: torch.Tensor, table: torch.Tensor, length: int,
               slot: torch.Tensor) -> None:
@@ -143,11 +147,13 @@ class TieredKV:
         complete = length // B
         if complete:
             scores = self.summaries.scores(layer, q_last[None], table[None, :complete],
-                                           torch.full((1,), complete, dtype=torch.int32, device=self.device))
+                                           torch.full((1,), complete, dtype=torch.int32,
+                                                      device=self.device))
             self.ws.select_and_fetch(layer, self.host, slot, table[None, :complete], scores, cap=K,
                                      now=self.now)
         if length % B:
-            local = torch.full((1, heads, 1), self.layout.local_slot, dtype=torch.long, device=self.device)
+            local = torch.full((1, heads, 1), self.layout.local_slot, dtype=torch.long,
+                               device=self.device)
             block = table[complete].long().view(1, 1, 1).expand(1, heads, 1)
             self.ws.fetch(layer, self.host, slot, block, local)
 
@@ -159,27 +165,30 @@ class TieredKV:
         local_k, local_v = self.ws.local(layer)
         self._store(k, v, local_k, local_v, slots.long() * B + pos % B)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: "TierStep",
-               pos: torch.Tensor, scale: float) -> torch.Tensor:
-        """Sparse attention of q ``[T, Hq, D]`` over each row's working set and local block; draft rows
-        (``step.draft_rows``) see their row's too, plus the row's and their own K/V (``k``/``v``
-        ``[T, Hk, D]``), never stored."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               step: "TierStep", pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """Sparse attention of q ``[T, Hq, D]`` over each row's working set and local block; draft
+        rows (``step.draft_rows``) see their row's too, plus the row's and their own K/V
+        (``k``/``v`` ``[T, Hk, D]``), never stored."""
         B = self.layout.block_size
-        extra = {} if step.draft_rows is None else dict(draft_rows=step.draft_rows, extra_k=k, extra_v=v)
+        extra = ({} if step.draft_rows is None
+                 else dict(draft_rows=step.draft_rows, extra_k=k, extra_v=v))
         return self._attend(q, self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], step.slots,
                             (pos % B + 1).to(torch.int32), scale, **extra)
 
     def complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor,
                               tables: torch.Tensor, real: torch.Tensor) -> None:
-        """Rows whose local block just filled: summarise it and move it into the working set. ``real``
-        ``[N]`` is False on graph padding rows (their table rows are stale: they must write nothing)."""
+        """Rows whose local block just filled: summarise it and move it into the working set.
+        ``real`` ``[N]`` is False on graph padding rows (their table rows are stale: they must write
+        nothing)."""
         lay, B = self.layout, self.layout.block_size
         done = (pos % B == B - 1) & real
         host_block = tables.long().gather(1, (pos // B)[:, None])[:, 0]
         heads = self.heads(len(pos))
         local_k = self.ws.local(layer)[0]
         self.summaries.update(layer, local_k, slots.repeat_interleave(lay.num_kv_heads), heads,
-                              torch.where(done, host_block, -1).repeat_interleave(lay.num_kv_heads), heads)
+                              torch.where(done, host_block, -1).repeat_interleave(lay.num_kv_heads),
+                              heads)
         self.ws.promote_local(layer, slots, done, pos // B, self.now)
 
     def retrieve(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -191,15 +200,16 @@ class TieredKV:
         scores = self.summaries.scores(layer, q, tables, complete.to(torch.int32))
         if notify:
             self.notify(notify, layer, slots, scores)
-        plan = self.ws.plan(layer, slots, tables, scores, self.cap, self.now if now is None else now,
-                            self.counters.tensor)
+        plan = self.ws.plan(layer, slots, tables, scores, self.cap,
+                            self.now if now is None else now, self.counters.tensor)
         if fetch:
             self.ws.fetch(layer, self.host, slots, *plan)
         return plan
 
     def notify(self, kind: str, layer: int, slots: torch.Tensor, scores: torch.Tensor) -> None:
         """Tell the observers a per-head top-K: ``[N, Hk, K']`` block indices, -1 where fewer blocks
-        exist. ``kind``: ``current`` (this token's own query) or ``predicted`` (lookahead, for t+1)."""
+        exist. ``kind``: ``current`` (this token's own query) or ``predicted`` (lookahead, for
+        t+1)."""
         values, blocks = scores.topk(min(self.layout.topk_blocks, scores.shape[-1]), dim=-1)
         blocks = torch.where(values > float("-inf"), blocks, -1)
         for observer in self.probes.observers:

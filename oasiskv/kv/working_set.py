@@ -1,10 +1,11 @@
-"""WorkingSet: the HBM part of tiered KV. Per (sequence slot, layer, kv-head): K resident block slots
-plus the local block, and the head-wise mapping from slot to the sequence's logical block.
+"""WorkingSet: the HBM part of tiered KV. Per (sequence slot, layer, kv-head): K resident block
+slots plus the local block, and the head-wise mapping from slot to the sequence's logical block.
 
-Per layer: ``k``/``v`` ``[S, Hk, W, B, D]`` (W = K + 1; slot W-1 is the local block, always resident,
-never evicted), ``map`` int32 ``[S, Hk, W]`` logical block held by each slot (-1 empty; the local slot's
-entry stays -1: its length comes from the sequence's position), ``last`` int64 ``[S, Hk, K]`` the step
-each slot was last selected (the LRU key). Heads of one layer hold different blocks.
+Per layer: ``k``/``v`` ``[S, Hk, W, B, D]`` (W = K + 1; slot W-1 is the local block, always
+resident, never evicted), ``map`` int32 ``[S, Hk, W]`` logical block held by each slot (-1 empty;
+the local slot's entry stays -1: its length comes from the sequence's position), ``last`` int64
+``[S, Hk, K]`` the step each slot was last selected (the LRU key). Heads of one layer hold different
+blocks.
 
 Invariants: a slot's contents are readable only after the copy that filled it (on one stream, stream
 order guarantees it); a logical block appears at most once per (sequence, layer, head).
@@ -18,8 +19,8 @@ from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.selection import scatter_where
 
-# UVA gather grid: 8 programs with 4 slices in flight each move 51 GB/s (93% of PCIe) on the H200 and
-# overlap a memory-bound decode GEMM on another stream by 0.87 (64 x 1, the old grid: 0.76; see
+# UVA gather grid: 8 programs with 4 slices in flight each move 51 GB/s (93% of PCIe) on the H200
+# and overlap a memory-bound decode GEMM on another stream by 0.87 (64 x 1, the old grid: 0.76; see
 # docs/benchmarks.md, the uva_gather table).
 _GATHER_PROGRAMS, _GATHER_ITEMS = 8, 4
 
@@ -27,11 +28,15 @@ _GATHER_PROGRAMS, _GATHER_ITEMS = 8, 4
 class WorkingSet:
     def __init__(self, layout: TieredLayout, num_slots: int, device: torch.device):
         self.layout, self.num_slots = layout, num_slots
-        L, H, W, B, D = layout.num_layers, layout.num_kv_heads, layout.slots, layout.block_size, layout.head_dim
-        self.k = [torch.zeros((num_slots, H, W, B, D), dtype=layout.dtype, device=device) for _ in range(L)]
+        L, H, W, B, D = (layout.num_layers, layout.num_kv_heads, layout.slots, layout.block_size,
+                         layout.head_dim)
+        self.k = [torch.zeros((num_slots, H, W, B, D), dtype=layout.dtype, device=device)
+                  for _ in range(L)]
         self.v = [torch.zeros_like(self.k[0]) for _ in range(L)]
-        self.map = [torch.full((num_slots, H, W), -1, dtype=torch.int32, device=device) for _ in range(L)]
-        self.last = [torch.zeros((num_slots, H, layout.topk_blocks), dtype=torch.long, device=device)
+        self.map = [torch.full((num_slots, H, W), -1, dtype=torch.int32, device=device)
+                    for _ in range(L)]
+        self.last = [torch.zeros((num_slots, H, layout.topk_blocks), dtype=torch.long,
+                                 device=device)
                      for _ in range(L)]
         self._heads = torch.arange(H, device=device)
         self._gather = kernel("gather_blocks", device.type == "cuda")
@@ -47,19 +52,21 @@ class WorkingSet:
         self.map[layer][slots] = -1
         self.last[layer][slots] = 0
 
-    def select_and_fetch(self, layer: int, host: HostStore, slots: torch.Tensor, block_tables: torch.Tensor,
-                         scores: torch.Tensor, cap: int, now: torch.Tensor,
-                         counters: torch.Tensor | None = None) -> None:
-        """Apply a selection for rows ``slots`` ``[N]`` from ``scores`` ``[N, Hk, M]`` and copy the admitted
-        blocks' slices from the host store into their slots."""
-        self.fetch(layer, host, slots, *self.plan(layer, slots, block_tables, scores, cap, now, counters))
+    def select_and_fetch(self, layer: int, host: HostStore, slots: torch.Tensor,
+                         block_tables: torch.Tensor, scores: torch.Tensor, cap: int,
+                         now: torch.Tensor, counters: torch.Tensor | None = None) -> None:
+        """Apply a selection for rows ``slots`` ``[N]`` from ``scores`` ``[N, Hk, M]`` and copy the
+        admitted blocks' slices from the host store into their slots."""
+        self.fetch(layer, host, slots,
+                   *self.plan(layer, slots, block_tables, scores, cap, now, counters))
 
-    def plan(self, layer: int, slots: torch.Tensor, block_tables: torch.Tensor, scores: torch.Tensor,
-             cap: int, now: torch.Tensor, counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Update the residency tables of rows ``slots`` for a selection from ``scores`` (float32, used as
-        scratch) at step stamp ``now`` (0-d device tensor); returns (host block ids, slots), int64
-        ``[N, Hk, cap]``, -1 = nothing, to hand to ``fetch``. Hits, misses and admitted blocks are added
-        to ``counters[:3]`` when given."""
+    def plan(self, layer: int, slots: torch.Tensor, block_tables: torch.Tensor,
+             scores: torch.Tensor, cap: int, now: torch.Tensor,
+             counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update the residency tables of rows ``slots`` for a selection from ``scores`` (float32,
+        used as scratch) at step stamp ``now`` (0-d device tensor); returns (host block ids, slots),
+        int64 ``[N, Hk, cap]``, -1 = nothing, to hand to ``fetch``. Hits, misses and admitted blocks
+        are added to ``counters[:3]`` when given."""
         if counters is None:
             counters = torch.zeros(3, dtype=torch.long, device=scores.device)
         return self._select(scores, self.map[layer], self.last[layer], slots, block_tables,
@@ -67,40 +74,46 @@ class WorkingSet:
 
     def fetch(self, layer: int, host: HostStore, slots: torch.Tensor, host_blocks: torch.Tensor,
               dst_slots: torch.Tensor) -> None:
-        """Copy host blocks ``host_blocks`` ``[N, Hk, X]`` (-1 = skip) of head h into working-set slot
-        ``dst_slots[n, h, x]`` of sequence slot ``slots[n]``."""
+        """Copy host blocks ``host_blocks`` ``[N, Hk, X]`` (-1 = skip) of head h into working-set
+        slot ``dst_slots[n, h, x]`` of sequence slot ``slots[n]``."""
         self.gather(layer, host, self.copy_list(host, slots, host_blocks, dst_slots))
 
-    def copy_list(self, host: HostStore, slots: torch.Tensor, host_blocks: torch.Tensor, dst_slots: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """The slices ``fetch`` moves, as int64 ``[3, N * Hk * X]`` rows (physical host block, -1 = skip;
-        kv head; flat working-set slot of the layer), written into ``out`` when given (that shape)."""
+    def copy_list(self, host: HostStore, slots: torch.Tensor, host_blocks: torch.Tensor,
+                  dst_slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The slices ``fetch`` moves, as int64 ``[3, N * Hk * X]`` rows (physical host block, -1 =
+        skip; kv head; flat working-set slot of the layer), written into ``out`` when given (that
+        shape)."""
         n, heads, x = host_blocks.shape
         head = self._heads.view(1, heads, 1).expand(n, heads, x)
-        flat_dst = (slots.long().view(n, 1, 1) * heads + head) * self.layout.slots + dst_slots.clamp(min=0)
+        flat_dst = ((slots.long().view(n, 1, 1) * heads + head) * self.layout.slots
+                    + dst_slots.clamp(min=0))
         items = torch.stack([host.physical_blocks(host_blocks), head, flat_dst]).view(3, -1)
         return items if out is None else out.copy_(items)
 
     def gather(self, layer: int, host: HostStore, items: torch.Tensor) -> None:
-        """Copy the slices of a ``copy_list`` ``[3, M]`` from the host store into ``layer``'s working set."""
-        self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], items[0], items[1], items[2],
-                     num_programs=_GATHER_PROGRAMS, items_per_iter=_GATHER_ITEMS)
+        """Copy the slices of a ``copy_list`` ``[3, M]`` from the host store into ``layer``'s
+        working set."""
+        self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], items[0], items[1],
+                     items[2], num_programs=_GATHER_PROGRAMS, items_per_iter=_GATHER_ITEMS)
 
-    def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor, block: torch.Tensor,
-                      now: int | torch.Tensor) -> None:
-        """Rows ``done`` ``[N]`` completed their local block (logical index ``block`` ``[N]``): per head it
-        moves into an empty slot, else the least recently selected one (the paper's rule for newly
-        generated blocks; no fetch, so no cap)."""
+    def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor,
+                      block: torch.Tensor, now: int | torch.Tensor) -> None:
+        """Rows ``done`` ``[N]`` completed their local block (logical index ``block`` ``[N]``): per
+        head it moves into an empty slot, else the least recently selected one (the paper's rule for
+        newly generated blocks; no fetch, so no cap)."""
         K, local = self.layout.topk_blocks, self.layout.local_slot
         ws_map, ws_last = self.map[layer][slots, :, :K], self.last[layer][slots]
-        key = torch.where(ws_map < 0, torch.full_like(ws_last, torch.iinfo(torch.int64).min), ws_last)
+        key = torch.where(ws_map < 0, torch.full_like(ws_last, torch.iinfo(torch.int64).min),
+                          ws_last)
         victim = key.argmin(dim=-1)                                        # [N, Hk]
-        dst = torch.where(done[:, None], victim, local)                    # not done: copy onto itself
+        # not done: copy onto itself
+        dst = torch.where(done[:, None], victim, local)
         rows, heads = slots.long()[:, None], self._heads[None, :]
         for cache in (self.k[layer], self.v[layer]):
             cache[rows, heads, dst] = cache[rows, heads, local]
         mask, index = done[:, None, None].expand(*victim.shape, 1), victim[..., None]
-        scatter_where(ws_map, mask, index, block.view(-1, 1, 1).expand(*victim.shape, 1), out=ws_map)
+        scatter_where(ws_map, mask, index, block.view(-1, 1, 1).expand(*victim.shape, 1),
+                      out=ws_map)
         scatter_where(ws_last, mask, index, now, out=ws_last)
         self.map[layer][slots, :, :K] = ws_map
         self.last[layer][slots] = ws_last

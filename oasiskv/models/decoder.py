@@ -2,8 +2,8 @@
 
 Switches (from ``ModelConfig``): ``qk_norm`` (Qwen3: RMSNorm per head on q and k before RoPE),
 ``qkv_bias`` (Qwen2), Llama-3 rope scaling (in ``RotaryEmbedding``), tied embeddings.
-Q/K/V and gate/up projections are fused into one matrix each; ``load_weights`` maps HF names onto the
-fused slices. The model works on flattened tokens ``[T]`` of a whole batch; attention finds its
+Q/K/V and gate/up projections are fused into one matrix each; ``load_weights`` maps HF names onto
+the fused slices. The model works on flattened tokens ``[T]`` of a whole batch; attention finds its
 per-step metadata in the forward context, never in these signatures.
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = hq * d, hk * d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -50,18 +51,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block with the residual add fused into the norms: returns (block output, residual);
-        the hidden state after the block is their sum."""
+        """Pre-norm block with the residual add fused into the norms: returns (block output,
+        residual); the hidden state after the block is their sum."""
         cfg, t = self.cfg, x.shape[0]
-        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        h, residual = ((self.input_layernorm(x), x) if residual is None
+                       else self.input_layernorm(x, residual))
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        norms = ((self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None
+                 else (None, None))
         ops.qk_norm_rope(q, k, positions, rotary.cos_sin, *norms, cfg.rms_norm_eps)
-        h, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v).reshape(t, self.q_size)),
-                                                    residual)
+        h, residual = self.post_attention_layernorm(
+            self.o_proj(self.attn(q, k, v).reshape(t, self.q_size)), residual)
         return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
 
 
@@ -76,12 +79,12 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
-                                                                      bias=False)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states. Each layer returns (block output, residual): the residual stream after
-        layer i is their sum (what forward hooks on ``layers[i]`` can read)."""
+        """Final hidden states. Each layer returns (block output, residual): the residual stream
+        after layer i is their sum (what forward hooks on ``layers[i]`` can read)."""
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary)
@@ -96,8 +99,8 @@ class CausalLM(nn.Module):
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model. Raises ValueError on unknown names, wrong shapes, or
-        parameters the checkpoint did not provide."""
+        """Copy HF-named tensors into the model. Raises ValueError on unknown names, wrong shapes,
+        or parameters the checkpoint did not provide."""
         params = dict(self.named_parameters())
         missing = {(name, off) for name in params for off in self._shard_offsets(name)}
         for hf_name, tensor in weights:
@@ -105,15 +108,18 @@ class CausalLM(nn.Module):
             if name is None:
                 continue
             if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in "
+                                 f"{self.cfg.architecture}")
             target = params[name].data if rows is None else params[name].data.narrow(0, *rows)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}: config.json does not match the weights")
+                                 f"expected {tuple(target.shape)}: config.json does not match "
+                                 f"the weights")
             target.copy_(tensor)
             missing.discard((name, rows[0] if rows else 0))
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. "
+                             f"{sorted(missing)[:3]}")
 
     def _fused_sizes(self, fused: str) -> list[int]:
         layer = self.layers[0]

@@ -27,7 +27,8 @@ class Drafter(ABC):
 
     def observe(self, batch, features: torch.Tensor | None) -> None:
         """A step ran ``batch`` (a ScheduledBatch, tokens already appended); ``features``
-        ``[sum(batch.num_tokens), len(aux_layers) * hidden]`` or None when ``aux_layers`` is empty."""
+        ``[sum(batch.num_tokens), len(aux_layers) * hidden]`` or None when ``aux_layers`` is
+        empty."""
 
     @abstractmethod
     def propose(self, seqs: list[Sequence]) -> list[int | None]:

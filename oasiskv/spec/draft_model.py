@@ -27,8 +27,9 @@ class ModelDrafter(Drafter):
         self.path, self.device = path, str(device or "auto")
         self.model_config = ModelConfig.from_file(resolve_model_path(path) / "config.json")
         self.engine = None  # built by ``reserve``
-        #: seq id -> (the mirror's request id, the sequence's length and newest token when the mirror
-        #: last guessed: the mirror is in step while the sequence grew by exactly the guessed token)
+        #: seq id -> (the mirror's request id, the sequence's length and newest token when the
+        #: mirror last guessed: the mirror is in step while the sequence grew by exactly the guessed
+        #: token)
         self.mirrors: dict[int, tuple[str, int, int]] = {}
 
     def _dtype(self) -> torch.dtype:
@@ -51,8 +52,9 @@ class ModelDrafter(Drafter):
     def reserve(self, num_seqs: int, max_len: int) -> None:
         from oasiskv.engine.llm_engine import LLMEngine
         blocks = num_seqs * -(-max_len // 16)
-        self.engine = LLMEngine(EngineConfig(model=self.path, device=self.device, num_kv_blocks=blocks,
-                                             enforce_eager=True, max_model_len=max_len + 1,
+        self.engine = LLMEngine(EngineConfig(model=self.path, device=self.device,
+                                             num_kv_blocks=blocks, enforce_eager=True,
+                                             max_model_len=max_len + 1,
                                              max_num_seqs=max(1, num_seqs)))
 
     def propose(self, seqs):

@@ -10,7 +10,8 @@ from oasiskv.spec.base import Drafter
 
 
 class NgramIndex:
-    """Followers of every n-gram (n <= ``max_n``) of one growing token list, latest occurrence wins."""
+    """Followers of every n-gram (n <= ``max_n``) of one growing token list, latest occurrence
+    wins."""
 
     def __init__(self, max_n: int = 3):
         self.max_n = max_n
@@ -18,9 +19,10 @@ class NgramIndex:
         self.indexed = 0  # tokens[:indexed] have their followers recorded
 
     def guess(self, tokens: list[int]) -> int:
-        """The token that followed the latest earlier match of the last n tokens of ``tokens`` (which
-        extends the list seen before)."""
-        for p in range(max(1, self.indexed), len(tokens)):  # token p follows the n-grams ending at p - 1
+        """The token that followed the latest earlier match of the last n tokens of ``tokens``
+        (which extends the list seen before)."""
+        # token p follows the n-grams ending at p - 1
+        for p in range(max(1, self.indexed), len(tokens)):
             for n in range(1, min(self.max_n, p) + 1):
                 self.follower[tuple(tokens[p - n:p])] = tokens[p]
         self.indexed = len(tokens)
@@ -42,7 +44,8 @@ class NgramDrafter(Drafter):
         self._index: dict[int, NgramIndex] = {}
 
     def propose(self, seqs):
-        return [self._index.setdefault(s.seq_id, NgramIndex(self.max_n)).guess(s.token_ids) for s in seqs]
+        return [self._index.setdefault(s.seq_id, NgramIndex(self.max_n)).guess(s.token_ids)
+                for s in seqs]
 
     def release(self, seq) -> None:
         self._index.pop(seq.seq_id, None)

@@ -1,4 +1,5 @@
-"""Engine features on the built-in demo model: stops, streaming, seeds, logprobs, abort, CLI, bench."""
+"""Engine features on the built-in demo model: stops, streaming, seeds, logprobs, abort, CLI,
+bench."""
 import json
 import subprocess
 import sys
@@ -16,14 +17,18 @@ def llm():
 
 
 def test_stop_string_is_cut_and_stop_token_kept(llm):
-    free = llm.generate("def add(a, b):", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    free = llm.generate("def add(a, b):",
+                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
     assert free.finish_reason == "length"
     stop = free.text[5:9]
-    out = llm.generate("def add(a, b):", SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
+    out = llm.generate("def add(a, b):",
+                       SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
     assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop)]
     tok = free.token_ids[3]
-    out = llm.generate("def add(a, b):", SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[tok]))[0]
-    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+    out = llm.generate("def add(a, b):",
+                       SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[tok]))[0]
+    assert (out.finish_reason == "stop"
+            and out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1])
 
 
 def test_streaming_deltas_add_up(llm):
@@ -35,7 +40,8 @@ def test_streaming_deltas_add_up(llm):
 
 
 def test_seeded_sampling_repeats_and_differs_by_seed(llm):
-    a = llm.generate(["import os\n"] * 3, [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in (1, 2, 1)])
+    a = llm.generate(["import os\n"] * 3,
+                     [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in (1, 2, 1)])
     assert a[0].token_ids == a[2].token_ids != a[1].token_ids
     b = llm.generate("import os\n", SamplingParams(max_tokens=20, temperature=1.0, seed=1))[0]
     assert b.token_ids == a[0].token_ids
@@ -44,7 +50,8 @@ def test_seeded_sampling_repeats_and_differs_by_seed(llm):
 def test_logprobs_match_transformers(llm):
     from transformers import AutoModelForCausalLM
     prompt = llm.engine.encode("for i in range(10):\n    print(")
-    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=2))[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=3,
+                                                prompt_logprobs=2))[0]
     ref = AutoModelForCausalLM.from_pretrained(str(DEMO_MODEL), dtype=torch.float32)
     ids = torch.tensor([prompt + out.token_ids])
     logp = ref(ids).logits[0].log_softmax(-1)
@@ -78,17 +85,18 @@ def test_chat_uses_plain_fallback_without_template(llm):
 
 
 def test_cli_generate_streams_demo_model():
-    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "generate", "--prompt", "def main():",
-                          "--max-tokens", "12", "--num-kv-blocks", "64"],
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "generate", "--prompt",
+                          "def main():", "--max-tokens", "12", "--num-kv-blocks", "64"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("def main():") and "12 tokens" in out.stderr
 
 
 def test_cli_bench_prints_table_and_json():
-    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench", "qwen3-tiny",
-                          "--context-lens", "48", "--concurrency", "1,max", "--output-lens", "6",
-                          "--num-kv-blocks", "32", "--engine", "oasiskv,hf", "--hf-max-batch", "2"],
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench",
+                          "qwen3-tiny", "--context-lens", "48", "--concurrency", "1,max",
+                          "--output-lens", "6", "--num-kv-blocks", "32", "--engine", "oasiskv,hf",
+                          "--hf-max-batch", "2"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -100,9 +108,11 @@ def test_cli_bench_prints_table_and_json():
 
 def test_chat_template_is_used_when_the_tokenizer_has_one(llm, monkeypatch):
     from oasiskv.llm import render_chat
-    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
     monkeypatch.setattr(llm.tokenizer, "chat_template", template, raising=False)
     assert render_chat(llm.tokenizer, [{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
-    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ raise_exception('bad order') }}", raising=False)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ raise_exception('bad order') }}",
+                        raising=False)
     with pytest.raises(ValueError, match="chat template"):
         render_chat(llm.tokenizer, [{"role": "user", "content": "hi"}])

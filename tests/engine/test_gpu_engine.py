@@ -26,7 +26,8 @@ def test_gpu_greedy_matches_transformers_on_fixture(cuda_device, fixtures_path):
     target = fixtures_path / "target"
     llm = LLM(str(target), dtype="float32", num_kv_blocks=2048, max_model_len=4096)
     prompt = eval_prompts(fixtures_path, llm, 1, 1500, seed=3)[0]
-    got = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0].token_ids
+    got = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0,
+                                                ignore_eos=True))[0].token_ids
     assert got == hf_greedy(target, prompt, 64)
 
 
@@ -36,7 +37,8 @@ def test_kv_pool_is_sized_from_free_memory_and_preemption_recovers(cuda_device, 
     free, total = torch.cuda.mem_get_info()
     assert llm.engine.allocator.num_total_blocks > 1000
     assert torch.cuda.memory_reserved() <= 0.55 * total
-    small = LLM(str(fixtures_path / "target"), num_kv_blocks=300, max_model_len=2048, max_num_seqs=64)
+    small = LLM(str(fixtures_path / "target"), num_kv_blocks=300, max_model_len=2048,
+                max_num_seqs=64)
     batch = eval_prompts(fixtures_path, small, 40, 600, seed=5)
     # 7 prompts of 38 blocks fill the pool; growing by 10 blocks each forces preemption
     outs = small.generate(batch, SamplingParams(max_tokens=160, temperature=0, ignore_eos=True))

@@ -8,14 +8,16 @@ import pytest
 from oasiskv import LLM, SamplingParams
 from tests.helpers import hf_greedy, write_tiny_checkpoint
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 500000.0}
 
 CASES = {
     "qwen3": dict(arch="qwen3"),
     "qwen2": dict(arch="qwen2"),
     "llama": dict(arch="llama"),
-    "llama3-rope-old-spelling": dict(arch="llama", old_rope_spelling=True, rope_parameters=LLAMA3_ROPE),
+    "llama3-rope-old-spelling": dict(arch="llama", old_rope_spelling=True,
+                                     rope_parameters=LLAMA3_ROPE),
     "llama3-rope-new-spelling": dict(arch="llama", rope_parameters=LLAMA3_ROPE),
 }
 
@@ -73,21 +75,25 @@ def test_prefix_sharing_reuses_blocks_and_keeps_tokens(tmp_path):
 
 def test_fixture_target_matches_transformers(fixtures_path):
     from oasiskv.config import ModelConfig  # noqa: F401  (import check)
-    text = "\n".join(__import__("json").loads((fixtures_path / "eval_dev.json").read_text())["docs"][:3])
+    text = "\n".join(__import__("json").loads(
+        (fixtures_path / "eval_dev.json").read_text())["docs"][:3])
     llm = LLM(str(fixtures_path / "target"), dtype="float32", num_kv_blocks=256)
     prompt = llm.engine.encode(text)[:300]
     want = hf_greedy(fixtures_path / "target", prompt, 64)
-    got = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0].token_ids
+    got = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0,
+                                                ignore_eos=True))[0].token_ids
     assert got == want
 
 
 def test_sharded_checkpoint_with_index_loads(tmp_path):
     from transformers import AutoModelForCausalLM
     path = write_tiny_checkpoint(tmp_path / "one", "qwen2")
-    AutoModelForCausalLM.from_pretrained(str(path)).save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
+    AutoModelForCausalLM.from_pretrained(str(path)).save_pretrained(tmp_path / "sharded",
+                                                                    max_shard_size="60KB")
     shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     batch = prompts(2, 320, seed=3)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in LLM(str(path), num_kv_blocks=64).generate(batch, params)]
-    assert [o.token_ids for o in LLM(str(tmp_path / "sharded"), num_kv_blocks=64).generate(batch, params)] == want
+    assert [o.token_ids for o in LLM(str(tmp_path / "sharded"),
+                                     num_kv_blocks=64).generate(batch, params)] == want

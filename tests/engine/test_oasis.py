@@ -1,5 +1,6 @@
 """Tiered KV (kv_mode=oasis): equivalence with dense decode when K covers every block and nothing is
-capped; cap / LRU / mapping invariants during real runs; no leaked host block; admission by both budgets."""
+capped; cap / LRU / mapping invariants during real runs; no leaked host block; admission by both
+budgets."""
 import random
 
 import pytest
@@ -27,8 +28,10 @@ def dense_tokens(path, batch, params=GREEDY):
 
 @pytest.mark.parametrize("engine_kw", [
     dict(),
-    dict(max_num_batched_tokens=48),       # chunked prefill: later chunks read their prefix from the host store
-    dict(host_kv_gib=0.0004, max_num_seqs=8),  # host store too small for all at once: queueing + preemption
+    # chunked prefill: later chunks read their prefix from the host store
+    dict(max_num_batched_tokens=48),
+    # host store too small for all at once: queueing + preemption
+    dict(host_kv_gib=0.0004, max_num_seqs=8),
 ], ids=["plain", "chunked-prefill", "tight-host-store"])
 def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw):
     batch = prompts(5, seed=1)
@@ -43,7 +46,8 @@ def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw):
 @pytest.mark.parametrize("draft", ["none", "ngram"])
 def test_sequences_recomputed_in_chunks_are_reseeded(tmp_path, draft):
     """A preempted sequence is recomputed in chunks that can stop one token short of its end (decode
-    computes that token): its working set must be seeded there, not only when a chunk ends a prompt."""
+    computes that token): its working set must be seeded there, not only when a chunk ends a
+    prompt."""
     path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
     batch = prompts(8, seed=11)
     llm = LLM(str(path), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.0004,
@@ -60,7 +64,8 @@ def test_fixture_target_oasis_equals_dense(fixtures_path):
     prompt = dense.engine.encode(text)[:700]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     want = dense.generate([prompt], params)[0].token_ids
-    oasis = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.05)
+    oasis = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0,
+                host_kv_gib=0.05)
     assert oasis.generate([prompt], params)[0].token_ids == want
 
 
@@ -103,7 +108,8 @@ def test_cap_and_mapping_invariants_during_a_run(tiny):
 def test_abort_frees_host_blocks_and_slot(tiny):
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.01)
     engine = llm.engine
-    rid = engine.add_request(prompts(1, lo=100, hi=101)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    rid = engine.add_request(prompts(1, lo=100, hi=101)[0],
+                             SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
     assert engine.allocator.num_free_blocks < engine.allocator.num_total_blocks
@@ -120,7 +126,8 @@ def test_admission_respects_both_budgets(tiny):
     assert engine.max_model_len == blocks * 16
     with pytest.raises(ValueError, match="context limit"):
         engine.add_request([7] * (blocks * 16 + 1), SamplingParams())
-    length = 16 * (blocks // 2 - 1) + 1  # blocks // 2 blocks each: two fit in the host store, three do not
+    # blocks // 2 blocks each: two fit in the host store, three do not
+    length = 16 * (blocks // 2 - 1) + 1
     for p in prompts(5, lo=length, hi=length + 1, seed=3):
         engine.add_request(p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     peak = 0
@@ -137,8 +144,9 @@ def test_sampler_and_stats_on_cpu_do_not_need_cuda(tiny):
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=2, fetch_ratio=0.5, host_kv_gib=0.01)
     out = llm.generate(prompts(2, seed=4), SamplingParams(max_tokens=8, temperature=0.8, seed=3))
     assert all(len(o.token_ids) == 8 for o in out)
-    assert set(llm.engine.stats.kv) >= {"hits", "misses", "fetched_blocks", "fetched_bytes", "deferred",
-                                        "hit_rate", "host_bytes_in_use", "hbm_bytes_in_use"}
+    assert set(llm.engine.stats.kv) >= {"hits", "misses", "fetched_blocks", "fetched_bytes",
+                                        "deferred", "hit_rate", "host_bytes_in_use",
+                                        "hbm_bytes_in_use"}
     assert torch.get_default_device().type == "cpu"
 
 
@@ -149,8 +157,9 @@ def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
     from oasiskv.models.loader import DEMO_MODEL
     text = tmp_path / "text.json"
     text.write_text(json.dumps({"docs": ["def f(x):\n    return x * 2\n" * 120]}))
-    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval", str(DEMO_MODEL),
-                          "--text", str(text), "--windows", "2", "--window-len", "256", "--last", "24",
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval",
+                          str(DEMO_MODEL), "--text", str(text), "--windows", "2",
+                          "--window-len", "256", "--last", "24",
                           "--topk-blocks", "2,16", "--fetch-ratio", "0.5"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -182,8 +191,9 @@ def test_bench_reports_oasis_points_with_pcie_traffic():
     import json
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench", "qwen3-tiny",
-                          "--context-lens", "256", "--concurrency", "2", "--output-lens", "24", "--kv-mode", "oasis",
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench",
+                          "qwen3-tiny", "--context-lens", "256", "--concurrency", "2",
+                          "--output-lens", "24", "--kv-mode", "oasis",
                           "--topk-blocks", "4", "--fetch-ratio", "0.25", "--host-kv-gib", "0.01"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -195,7 +205,8 @@ def test_bench_reports_oasis_points_with_pcie_traffic():
 @pytest.mark.parametrize("draft", ["previous", "ngram"])
 def test_lookahead_equals_dense_when_k_covers_every_block(tiny, draft):
     batch = prompts(4, seed=6)
-    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01, draft=draft)
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
+              draft=draft)
     assert [o.token_ids for o in llm.generate(batch, GREEDY)] == dense_tokens(tiny, batch)
 
 
@@ -204,9 +215,11 @@ def test_draft_rows_see_the_working_set_the_real_token_and_themselves(tiny):
     token (K covers every block), and the real row is untouched by it."""
     from oasiskv.engine.scheduler import ScheduledBatch
     from oasiskv.engine.sequence import Sequence
-    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01, draft="ngram")
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
+              draft="ngram")
     engine = llm.engine
-    engine.add_request(prompts(1, lo=70, hi=71, seed=7)[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    engine.add_request(prompts(1, lo=70, hi=71, seed=7)[0],
+                       SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     for _ in range(4):  # prefill + a few decode steps: the local block holds several tokens
         engine.step()
     seq = engine.scheduler.running[0]
@@ -228,14 +241,17 @@ def test_eval_lookahead_measures_drafters_and_set_agreement(tmp_path):
     import sys
     from oasiskv.models.loader import DEMO_MODEL
     text = tmp_path / "text.json"
-    text.write_text(json.dumps({"docs": [f"def f{i}(x):\n    return x * {i}\n" for i in range(200)]}))
-    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval", str(DEMO_MODEL),
-                          "--text", str(text), "--windows", "2", "--window-len", "256", "--last", "32",
-                          "--topk-blocks", "4", "--drafts", "previous,ngram,oracle", "--draft-k", "4",
+    text.write_text(json.dumps({"docs": [f"def f{i}(x):\n    return x * {i}\n"
+                                         for i in range(200)]}))
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval",
+                          str(DEMO_MODEL), "--text", str(text), "--windows", "2",
+                          "--window-len", "256", "--last", "32", "--topk-blocks", "4",
+                          "--drafts", "previous,ngram,oracle", "--draft-k", "4",
                           "--fetch-ratio", "0.25"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     runs = {r["setting"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["runs"]}
-    none, ngram, oracle = (runs[f"lookahead K=4 f=0.25 {d}"] for d in ("previous", "ngram", "oracle"))
+    none, ngram, oracle = (runs[f"lookahead K=4 f=0.25 {d}"]
+                           for d in ("previous", "ngram", "oracle"))
     assert none["draft_hit_rate"] is None and oracle["draft_hit_rate"] == 1.0
     assert 0.0 <= ngram["draft_hit_rate"] <= 1.0
     assert len(oracle["set_agreement_per_layer"]) == 2  # the demo model's layers
@@ -247,5 +263,6 @@ def test_a_failing_drafter_costs_predictions_not_requests(tiny, monkeypatch):
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=4, host_kv_gib=0.01, draft="ngram")
     drafter = llm.engine.runner.backend.lookahead.drafter
     monkeypatch.setattr(drafter, "propose", lambda seqs: [][len(seqs)])  # raises IndexError
-    outs = llm.generate(prompts(2, seed=8), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    outs = llm.generate(prompts(2, seed=8),
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)

@@ -25,8 +25,8 @@ def tiny(tmp_path_factory):
 
 
 def run(llm, batch, params=PARAMS, clock=None):
-    """Token ids and their logprobs per request, plus the summed decode-step counters (and stall time,
-    read from ``clock`` when given)."""
+    """Token ids and their logprobs per request, plus the summed decode-step counters (and stall
+    time, read from ``clock`` when given)."""
     engine = llm.engine
     for p in batch:
         engine.add_request(p, params)
@@ -59,13 +59,13 @@ def test_async_and_inline_prefetch_agree_when_blocks_are_fetched(tiny, draft):
 
 def test_prefetch_off_fetches_nothing_after_seeding(tiny):
     batch = prompts(3, lo=90, hi=200, seed=22)
-    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="previous",
-              prefetch="off")
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01,
+              draft="previous", prefetch="off")
     _, totals = run(llm, batch)
     assert totals["fetched_blocks"] == 0 and totals["decode_rows"] > 0
     # with every block resident from the start there is nothing to fetch: still exactly dense
-    full = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01, draft="previous",
-               prefetch="off")
+    full = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
+               draft="previous", prefetch="off")
     assert [o.token_ids for o in full.generate(batch, PARAMS)] == dense_tokens(tiny, batch, PARAMS)
 
 
@@ -73,11 +73,12 @@ def test_prefetch_off_fetches_nothing_after_seeding(tiny):
     ("async", True), ("inline", True),
     # graphs: the copies a replay leaves behind are launched from the host after the step
     pytest.param("async", False, marks=pytest.mark.gpu, id="async-graphs")])
-def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkeypatch, prefetch, enforce_eager):
+def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkeypatch, prefetch,
+                                                                    enforce_eager):
     if not enforce_eager and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="ngram",
-              prefetch=prefetch, enforce_eager=enforce_eager)
+    llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01,
+              draft="ngram", prefetch=prefetch, enforce_eager=enforce_eager)
     engine, backend = llm.engine, llm.engine.runner.backend
     ws = backend.kv.ws
     assert (engine.runner.graphs is None) == enforce_eager
@@ -105,8 +106,8 @@ def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkey
     assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
     broken["on"] = False  # the engine goes on serving, with correct results
     batch = prompts(2, lo=90, hi=200, seed=24)
-    kw = dict(kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="ngram", prefetch=prefetch,
-              enforce_eager=enforce_eager)
+    kw = dict(kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft="ngram",
+              prefetch=prefetch, enforce_eager=enforce_eager)
     assert run(llm, batch)[0] == run(LLM(str(tiny), **kw), batch)[0]
 
 
@@ -120,7 +121,8 @@ def test_emulated_host_admits_past_the_physical_store_and_shares_its_blocks(tiny
     ids = torch.tensor([-1, 0, host.num_physical + 3, 5 * host.num_physical + 1])
     assert host.physical_blocks(ids).tolist() == [-1, 0, 3, 1]
     summaries = llm.engine.runner.backend.kv.summaries.tables[0]
-    assert summaries.shape[0] == host.num_blocks, "summaries stay per block id: their HBM cost is real"
+    assert summaries.shape[0] == host.num_blocks, \
+        "summaries stay per block id: their HBM cost is real"
     with pytest.raises(ValueError, match="at least one block"):
         EmulatedHostStore(host.layout, host.num_blocks, pin=False, num_physical=0)
     engine, peak = llm.engine, 0
@@ -130,14 +132,16 @@ def test_emulated_host_admits_past_the_physical_store_and_shares_its_blocks(tiny
         outs = engine.step()
         assert all(o.finish_reason != "error" for o in outs)
         peak = max(peak, len(engine.scheduler.running))
-    assert peak == 6 and 6 * 7 > host.num_physical  # 7 blocks each: more than the physical store holds
+    # 7 blocks each: more than the physical store holds
+    assert peak == 6 and 6 * 7 > host.num_physical
 
 
 def test_bench_labels_emulated_points_and_reports_stall():
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench", "qwen3-tiny",
-                          "--context-lens", "256", "--concurrency", "2", "--output-lens", "16", "--kv-mode", "oasis",
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench",
+                          "qwen3-tiny", "--context-lens", "256", "--concurrency", "2",
+                          "--output-lens", "16", "--kv-mode", "oasis",
                           "--topk-blocks", "4", "--fetch-ratio", "0.25", "--host-kv-gib", "0.001",
                           "--emulated-host-gib", "0.01", "--draft", "previous", "--enforce-eager"],
                          capture_output=True, text=True, timeout=300)
@@ -149,12 +153,13 @@ def test_bench_labels_emulated_points_and_reports_stall():
     assert "*** EMULATED host" in out.stdout and "stall ms" in out.stdout
 
 
-# ---- GPU: side streams ---------------------------------------------------------------------------------
+# ---- GPU: side streams ---------------------------------------------------------------------------
 
 def oasis_fixture_llm(fixtures_path, probes=None, **kw):
-    kw = dict(dtype="float32", kv_mode="oasis", topk_blocks=8, fetch_ratio=0.25, host_kv_gib=0.5, draft="ngram",
-              max_num_seqs=8) | kw
-    return LLM(str(fixtures_path / "target"), backend_factory=oasis_backend(probes or TierProbes()), **kw)
+    kw = dict(dtype="float32", kv_mode="oasis", topk_blocks=8, fetch_ratio=0.25, host_kv_gib=0.5,
+              draft="ngram", max_num_seqs=8) | kw
+    return LLM(str(fixtures_path / "target"), backend_factory=oasis_backend(probes or TierProbes()),
+               **kw)
 
 
 class CopyDelay:
@@ -180,9 +185,9 @@ def assert_same_run(got, want):
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path, enforce_eager):
-    """Each gather is held back ~10 ms on the copy stream: the foreground must wait for it at the next
-    step's layer (eager: on the layer's event; graphs: the replay's device-side wait on the copy the
-    previous replay left behind), and the stall clock sees that wait."""
+    """Each gather is held back ~10 ms on the copy stream: the foreground must wait for it at the
+    next step's layer (eager: on the layer's event; graphs: the replay's device-side wait on the
+    copy the previous replay left behind), and the stall clock sees that wait."""
     inline_llm = oasis_fixture_llm(fixtures_path, prefetch="inline", enforce_eager=True)
     batch = eval_prompts(fixtures_path, inline_llm, 6, 700)
     want, totals = run(inline_llm, batch, FIXTURE_PARAMS)
@@ -215,7 +220,8 @@ def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path
 
 
 @pytest.mark.gpu
-def test_a_copy_that_never_arrives_fails_its_step_instead_of_hanging(cuda_device, fixtures_path, monkeypatch):
+def test_a_copy_that_never_arrives_fails_its_step_instead_of_hanging(cuda_device, fixtures_path,
+                                                                     monkeypatch):
     delay = CopyDelay()
     llm = oasis_fixture_llm(fixtures_path, TierProbes(before_copy=delay))
     engine = llm.engine
@@ -228,11 +234,13 @@ def test_a_copy_that_never_arrives_fails_its_step_instead_of_hanging(cuda_device
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
-    assert len(outs) == 3 and all(o.finish_reason == "error" and "waited more than" in o.error for o in outs)
+    assert len(outs) == 3 and all(o.finish_reason == "error" and "waited more than" in o.error
+                                  for o in outs)
     delay.cycles = 0  # the engine goes on serving, with correct results
     monkeypatch.undo()
     engine.runner.graphs._capture()
-    want = run(oasis_fixture_llm(fixtures_path, prefetch="inline", enforce_eager=True), batch, FIXTURE_PARAMS)[0]
+    want = run(oasis_fixture_llm(fixtures_path, prefetch="inline", enforce_eager=True), batch,
+               FIXTURE_PARAMS)[0]
     assert_same_run(run(llm, batch, FIXTURE_PARAMS)[0], want)
 
 
@@ -251,7 +259,8 @@ def test_cuda_graph_oasis_decode_equals_eager(cuda_device, fixtures_path, draft)
     got, graph_totals = run(graphs, batch, FIXTURE_PARAMS)
     assert len(replays) >= FIXTURE_PARAMS.max_tokens - 2, "decode steps must replay graphs"
     if draft == "ngram":
-        assert all(n == 2 * len(batch) for n in replays[:1]), "replays carry a draft row per sequence"
+        assert all(n == 2 * len(batch) for n in replays[:1]), \
+            "replays carry a draft row per sequence"
     assert_same_run(got, want)
     assert graph_totals == totals and totals["fetched_blocks"] > 0
 

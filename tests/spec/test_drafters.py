@@ -1,5 +1,6 @@
-"""Drafters: n-gram lookup, the draft-model mirror (teacher-forced guesses equal a one-pass forward),
-the EAGLE-3 loader (published layout) and its agreement with the trained fixture target."""
+"""Drafters: n-gram lookup, the draft-model mirror (teacher-forced guesses equal a one-pass
+forward), the EAGLE-3 loader (published layout) and its agreement with the trained fixture
+target."""
 import json
 
 import pytest
@@ -13,9 +14,10 @@ from tests.conftest import fixture_part
 
 
 def test_ngram_continues_the_latest_earlier_match():
-    assert ngram_guess([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]) == 7      # latest occurrence of (1, 2, 3) wins
-    assert ngram_guess([5, 6, 1, 8, 2, 6]) == 1                      # falls back to a 1-gram
-    assert ngram_guess([4, 5, 6]) == 6                                # no match: repeat the last token
+    # latest occurrence of (1, 2, 3) wins
+    assert ngram_guess([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]) == 7
+    assert ngram_guess([5, 6, 1, 8, 2, 6]) == 1  # falls back to a 1-gram
+    assert ngram_guess([4, 5, 6]) == 6           # no match: repeat the last token
     assert ngram_guess([3]) == 3
 
 
@@ -69,7 +71,8 @@ def test_draft_model_serves_sequences_that_join_at_different_times(fixtures_path
     draft = fixture_part(fixtures_path, "draft")
     shared = make_drafter(f"model:{draft}", torch.device("cpu"))
     shared.reserve(2, 1024)
-    ids = shared.engine.encode("\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"][:2]))
+    ids = shared.engine.encode(
+        "\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"][:2]))
     a, b = Sequence(ids[:150], SamplingParams()), Sequence(ids[300:420], SamplingParams())
     got = [shared.propose([a])[0]]
     for t in range(4):
@@ -92,20 +95,24 @@ def test_draft_model_serves_sequences_that_join_at_different_times(fixtures_path
 def write_random_eagle3(path, hidden=64, heads=4, kv_heads=2, inter=96, draft_vocab=32, vocab=100):
     from safetensors.torch import save_file
     path.mkdir()
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "intermediate_size": inter,
-           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
-           "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "max_position_embeddings": 256,
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}}
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden,
+           "intermediate_size": inter, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
+           "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+                            "use_aux_hidden_state": True}}
     (path / "config.json").write_text(json.dumps(cfg))
     d = hidden // heads
     r = lambda *shape: torch.randn(*shape).to(torch.bfloat16)  # noqa: E731
-    tensors = {"fc.weight": r(hidden, 3 * hidden), "lm_head.weight": r(draft_vocab, hidden), "norm.weight": r(hidden),
+    tensors = {"fc.weight": r(hidden, 3 * hidden), "lm_head.weight": r(draft_vocab, hidden),
+               "norm.weight": r(hidden),
                "midlayer.self_attn.q_proj.weight": r(heads * d, 2 * hidden),
                "midlayer.self_attn.k_proj.weight": r(kv_heads * d, 2 * hidden),
                "midlayer.self_attn.v_proj.weight": r(kv_heads * d, 2 * hidden),
                "midlayer.self_attn.o_proj.weight": r(hidden, heads * d),
-               "midlayer.mlp.gate_proj.weight": r(inter, hidden), "midlayer.mlp.up_proj.weight": r(inter, hidden),
+               "midlayer.mlp.gate_proj.weight": r(inter, hidden),
+               "midlayer.mlp.up_proj.weight": r(inter, hidden),
                "midlayer.mlp.down_proj.weight": r(hidden, inter),
                "d2t": torch.randint(0, vocab - draft_vocab, (draft_vocab,)),
                "t2d": torch.zeros(vocab, dtype=torch.bool)}
@@ -143,10 +150,12 @@ def test_eagle3_fixture_head_agrees_with_the_target_like_its_training_run(fixtur
     from oasiskv.engine.forward_batch import ForwardBatch, forward_context
     from oasiskv.spec.eagle3 import load_eagle3
     llm = LLM(str(fixtures_path / "target"), dtype="float32", num_kv_blocks=16)
-    model, backend, device = llm.engine.runner.model, llm.engine.runner.backend, llm.engine.runner.device
+    model, backend, device = (llm.engine.runner.model, llm.engine.runner.backend,
+                              llm.engine.runner.device)
     head = load_eagle3(fixture_part(fixtures_path, "eagle3"), device=device)
     features = residual_streams(model, head.aux_layers)
-    ids = llm.engine.encode("\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"]))
+    ids = llm.engine.encode(
+        "\n".join(json.loads((fixtures_path / "eval_dev.json").read_text())["docs"]))
     agree, total = 0, 0
     for start in (100_000, 600_000):
         w = torch.tensor(ids[start:start + 1024], device=device)
@@ -164,12 +173,12 @@ def test_eagle3_fixture_head_agrees_with_the_target_like_its_training_run(fixtur
 
 
 def test_online_eagle3_drafter_equals_the_whole_sequence_head(fixtures_path):
-    """Online (chunked prefill, then one position per step, own K/V cache) guesses equal the head run
-    once over the final sequence, features taken from a dense target pass."""
+    """Online (chunked prefill, then one position per step, own K/V cache) guesses equal the head
+    run once over the final sequence, features taken from a dense target pass."""
     from oasiskv import LLM
     target, head = str(fixtures_path / "target"), fixture_part(fixtures_path, "eagle3")
-    llm = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.05,
-              draft=f"eagle3:{head}", max_num_batched_tokens=128)
+    llm = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0,
+              host_kv_gib=0.05, draft=f"eagle3:{head}", max_num_batched_tokens=128)
     engine, drafter = llm.engine, llm.engine.runner.backend.lookahead.drafter
     seen = []
     propose = drafter.propose
@@ -178,7 +187,8 @@ def test_online_eagle3_drafter_equals_the_whole_sequence_head(fixtures_path):
     prompt = engine.encode(text)[:300]
     out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
     tokens = prompt + out.token_ids
-    assert len(seen) == 24  # one guess after each token (the last one's is dropped with the request)
+    # one guess after each token (the last one's is dropped with the request)
+    assert len(seen) == 24
     # entry j of eagle3_guesses guesses token P + j; the online guess made once token P + j exists
     # (j = 0 .. 22) is for token P + j + 1
     want = eagle3_guesses(engine, str(head), tokens, 24)[1:]
@@ -186,12 +196,13 @@ def test_online_eagle3_drafter_equals_the_whole_sequence_head(fixtures_path):
 
 
 def test_online_eagle3_drafter_batches_sequences_of_a_step(fixtures_path):
-    """Several sequences at once (steps holding chunks of two prompts, then every decode row; one head
-    pass per step): each sequence's guesses equal the head run once over that sequence alone."""
+    """Several sequences at once (steps holding chunks of two prompts, then every decode row; one
+    head pass per step): each sequence's guesses equal the head run once over that sequence
+    alone."""
     from oasiskv import LLM
     target, head = str(fixtures_path / "target"), fixture_part(fixtures_path, "eagle3")
-    llm = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.05,
-              draft=f"eagle3:{head}", max_num_batched_tokens=160)
+    llm = LLM(target, dtype="float32", kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0,
+              host_kv_gib=0.05, draft=f"eagle3:{head}", max_num_batched_tokens=160)
     engine, drafter = llm.engine, llm.engine.runner.backend.lookahead.drafter
     seen: dict[int, list[int]] = {}
     propose = drafter.propose
@@ -209,7 +220,8 @@ def test_online_eagle3_drafter_batches_sequences_of_a_step(fixtures_path):
     assert len(seen) == 3
     for seq_id, prompt, out in zip(sorted(seen), prompts, outs):
         want = eagle3_guesses(engine, str(head), prompt + out.token_ids, 16)[1:]
-        assert len(seen[seq_id]) == 16 and sum(a == b for a, b in zip(seen[seq_id], want)) >= 14, (seen, want)
+        assert (len(seen[seq_id]) == 16
+                and sum(a == b for a, b in zip(seen[seq_id], want)) >= 14), (seen, want)
 
 
 def test_eagle3_head_cache_grows_like_concatenation():
@@ -226,15 +238,18 @@ def test_eagle3_head_cache_grows_like_concatenation():
 
 def eagle3_guesses(engine, path: str, window: list[int], last: int) -> list[int]:
     """The EAGLE-3 head's guess for each decoded position of ``window`` from one dense target pass:
-    position i's features + token i+1 -> token i+2 (the draft used at the step that feeds token i+1)."""
+    position i's features + token i+1 -> token i+2 (the draft used at the step that feeds token
+    i+1)."""
     from oasiskv.engine.forward_batch import ForwardBatch, forward_context
     from oasiskv.spec.eagle3 import load_eagle3
     model, device = engine.runner.model, engine.runner.device
     head = load_eagle3(path, dtype=engine.runner.dtype, device=device)
     ids = torch.tensor(window, device=device)
     pos = torch.arange(len(window), device=device)
-    batch = ForwardBatch(True, ids, pos, torch.full_like(ids, -1), torch.zeros((1, 1), dtype=torch.int32, device=device),
-                         torch.tensor([len(window)], dtype=torch.int32, device=device), [len(window)], [0])
+    batch = ForwardBatch(True, ids, pos, torch.full_like(ids, -1),
+                         torch.zeros((1, 1), dtype=torch.int32, device=device),
+                         torch.tensor([len(window)], dtype=torch.int32, device=device),
+                         [len(window)], [0])
     features = residual_streams(model, head.aux_layers)
     try:
         with torch.inference_mode(), forward_context(batch, _NoKV()):
@@ -243,14 +258,15 @@ def eagle3_guesses(engine, path: str, window: list[int], last: int) -> list[int]
             guess = head(torch.cat(features.out, -1)[:t], model.embed_tokens(ids[1:t + 1]), pos[:t])
     finally:
         features.remove()
-    # entry j: the guess of token P + j (P = len - last), made once token P + j - 1 is known: the head's
-    # output at position P + j - 2
+    # entry j: the guess of token P + j (P = len - last), made once token P + j - 1 is known: the
+    # head's output at position P + j - 2
     start = len(window) - last
     return guess[start - 2:start - 2 + last].tolist()
 
 
 class residual_streams:
-    """Forward hooks keeping the residual stream after each of ``layers`` (in that order) in ``out``."""
+    """Forward hooks keeping the residual stream after each of ``layers`` (in that order) in
+    ``out``."""
 
     def __init__(self, model, layers):
         self.out = [None] * len(layers)
@@ -268,7 +284,8 @@ class residual_streams:
 
 
 class _NoKV:
-    """A backend stand-in for one dense pass that stores nothing (causal SDPA over the fresh K/V)."""
+    """A backend stand-in for one dense pass that stores nothing (causal SDPA over the fresh
+    K/V)."""
 
     def forward(self, layer, q, k, v, batch, scale):
         from oasiskv.attention.prefill import prefill_attention
