@@ -111,8 +111,9 @@ class ModelConfig:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """Bytes of K and V of one token over all layers stored as ``dtype`` (FP8: with scales)."""
+        from oasiskv.kernels.fp8 import row_bytes
+        return 2 * self.num_layers * self.num_kv_heads * row_bytes(self.head_dim, dtype)
 
 
 def _opt(default, help: str, **kw):
@@ -187,6 +188,9 @@ class EngineConfig:
     load_format: str = _opt("auto", "auto (safetensors) or dummy (random weights, for benchmarks)")
     kv_mode: str = _opt("dense", "dense (paged KV in HBM) or oasis (full KV in host memory, "
                         "per-head working sets of topk_blocks blocks in HBM)")
+    kv_cache_dtype: str = _opt("auto", "how K/V are stored (paged pool, host store, working sets): "
+                               "auto (the model's dtype) or fp8 (e4m3, one float32 scale per "
+                               "token and kv head)")
     tier: TierConfig = _opt(TierConfig(), "tiered KV settings (kv_mode=oasis)", cli=False)
 
     def __post_init__(self):
@@ -204,6 +208,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.kv_mode not in ("dense", "oasis"):
             raise ValueError(f"kv_mode must be dense or oasis, got {self.kv_mode!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tier.lookahead and self.kv_mode != "oasis":
             raise ValueError("draft (lookahead) needs kv_mode=oasis")
         parse_dtype(self.dtype)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [gather] [profile] [profile-oasis]
-#        [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated] [compare]
+#        [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated] [compare] [fp8-bench]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -72,6 +72,16 @@ for stage in $stages; do
         fi
       done
       export PYTHONPATH=$PWD ;;
+    fp8-bench)  # bf16 vs FP8 KV: dense 32K x max, and the emulated-host point (64 x 32K, ngram, async)
+      for dt in auto fp8; do
+        bench "dense-$dt" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 128 \
+          --kv-cache-dtype "$dt"
+      done
+      for dt in auto fp8; do
+        bench "emulated-$dt" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
+          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
+          --kv-cache-dtype "$dt"
+      done ;;
     kernels)
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
       summary+=("kernels: $(tail -1 "$OUT/kernels.log" | cut -c1-300)") ;;

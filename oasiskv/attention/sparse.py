@@ -29,6 +29,7 @@ from oasiskv.config import EngineConfig
 from oasiskv.engine.forward_batch import ForwardBatch, to_device
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
+from oasiskv.kernels.fp8 import storage_dtype
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.lookahead import Lookahead
@@ -52,7 +53,7 @@ class SparseBackend(AttentionBackend):
         tier, cfg = config.tier, model.cfg
         self.config, self.device = config, device
         layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                              tier.topk_blocks, dtype)
+                              tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype))
         self.kv = TieredKV(layout, tier, device, probes or TierProbes())
         # observers read each step's scores on the host: such an engine never captures graphs
         self.supports_cuda_graphs = not self.kv.probes.observers

@@ -71,6 +71,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest batch given to the hf baseline "
                              "(concurrency above it is capped)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="K/V storage (pool, host store, working sets): auto or fp8")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -108,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs, kv_mode=args.kv_mode,
+        kv_cache_dtype=args.kv_cache_dtype,
         topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
         draft=args.draft, prefetch=args.prefetch)
 
@@ -188,14 +191,15 @@ def _environment(engine: LLMEngine) -> dict:
 
 def _label(engine: LLMEngine) -> str:
     c = engine.config
+    fp8 = "-fp8" if c.kv_cache_dtype == "fp8" else ""
     if c.kv_mode == "dense":
-        return "oasiskv"
+        return "oasiskv" + fp8
     t = c.tier
     if t.lookahead:
         mode = f"{t.draft.partition(':')[0]}-{t.prefetch}"
     else:  # synchronous retrieval selects in line whatever --prefetch says, unless it is off
         mode = "sync-off" if t.prefetch == "off" else "sync"
-    return f"oasis-K{t.topk_blocks}-{mode}" + ("-EMULATED" if emulated_label(engine) else "")
+    return f"oasis-K{t.topk_blocks}-{mode}{fp8}" + ("-EMULATED" if emulated_label(engine) else "")
 
 
 def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:

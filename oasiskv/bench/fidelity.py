@@ -30,6 +30,7 @@ import torch
 from oasiskv.bench.harness import oasis_backend
 from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
 from oasiskv.engine.llm_engine import LLMEngine
+from oasiskv.kernels.fp8 import storage_dtype
 from oasiskv.kv.probes import TierProbes
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.base import Drafter
@@ -59,6 +60,9 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-k", type=int, default=32, help="K of the lookahead runs")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="K/V storage of every run but the reference dense one: auto or fp8 "
+                             "(then a 'dense fp8' run is added)")
 
 
 def windows(engine: LLMEngine, text_file: str, count: int, length: int) -> list[list[int]]:
@@ -144,12 +148,19 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
     wins = windows(dense, args.text, args.windows, args.window_len)
     runs = [Run("dense", *teacher_forced(dense, wins, args.last)[:2])]
     _free(dense)
+    fp8 = args.kv_cache_dtype == "fp8"
+    base["kv_cache_dtype"] = args.kv_cache_dtype
+    suffix = " fp8" if fp8 else ""
+    if fp8:
+        engine = LLMEngine(**base)
+        runs.append(Run("dense fp8", *teacher_forced(engine, wins, args.last)[:2]))
+        _free(engine)
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     for k in (int(x) for x in args.topk_blocks.split(",")):
         for ratio in (1.0, args.fetch_ratio):
             engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,
                                host_kv_gib=host_gib)
-            label = f"oasis K={k} " + ("no cap" if ratio == 1.0 else f"cap f={ratio}")
+            label = f"oasis{suffix} K={k} " + ("no cap" if ratio == 1.0 else f"cap f={ratio}")
             runs.append(Run(label, *teacher_forced(engine, wins, args.last)[:2]))
             _free(engine)
     for spec in filter(None, args.drafts.split(",")):
@@ -169,7 +180,8 @@ def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec
                        backend_factory=oasis_backend(TierProbes(observers=[agreement]), oracle))
     loss, top1, hit_rate = teacher_forced(engine, wins, args.last, oracle)
     _free(engine)
-    run = Run(f"lookahead K={args.draft_k} f={args.fetch_ratio} {spec}", loss, top1)
+    suffix = " fp8" if args.kv_cache_dtype == "fp8" else ""
+    run = Run(f"lookahead{suffix} K={args.draft_k} f={args.fetch_ratio} {spec}", loss, top1)
     run.draft_hit_rate, run.set_agreement = hit_rate, agreement.per_layer()
     return run
 
@@ -185,7 +197,8 @@ def _free(engine: LLMEngine) -> None:
 
 def _kv_bytes_per_token(args) -> int:
     cfg = ModelConfig.from_file(Path(args.model) / "config.json")
-    return cfg.kv_bytes_per_token(parse_dtype(args.dtype) or cfg.dtype)
+    dtype = parse_dtype(args.dtype) or cfg.dtype
+    return cfg.kv_bytes_per_token(storage_dtype(args.kv_cache_dtype, dtype))
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -45,5 +45,4 @@ def kv_read_bytes(engine, context_lens: list[int]) -> int:
     tiered = getattr(engine.runner.backend, "kv", None)
     if tiered is not None:
         return tiered.decode_read_bytes(context_lens)
-    per_token = engine.model_config.kv_bytes_per_token(engine.runner.dtype)
-    return sum(context_lens) * per_token
+    return sum(context_lens) * engine.runner.backend.bytes_per_block() // engine.config.block_size

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.fp8 import check_scales
+
 _LOG2E = 1.4426950408889634
 # Launch config, tuned on an H200 (bf16, head_dim 128, block 16): 64 KV tokens per inner-loop
 # iteration (several blocks per tile when block_size is small), 4 warps, 2 pipeline stages.
@@ -41,12 +43,21 @@ def _load_q(q_ptr, q_rows, stride_qb, stride_qh, q_heads, g_mask, offs_d):
 
 
 @triton.jit
-def _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One tile of online softmax in the log2 domain: scores ``q @ kt`` (``[BLOCK_G, TILE]``, -inf
-    where not ``valid``) -> (p, alpha, m_new, l_new); the caller rescales its accumulator by alpha
-    and adds ``p @ v``. While no valid token has been seen (m_new = -inf) exp2 is kept away
+def _load_scales(scale_ptr, offs, valid, TILE: tl.constexpr, QUANT: tl.constexpr):
+    """Per-token dequantization scales ``[TILE]`` of an FP8 cache (QUANT), else ones."""
+    if QUANT:
+        return tl.load(scale_ptr + offs, mask=valid, other=0.0)
+    return tl.full([TILE], 1.0, tl.float32)
+
+
+@triton.jit
+def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of online softmax in the log2 domain: scores ``q @ kt`` times each key's
+    dequantization scale ``k_scale`` ``[TILE]`` (``[BLOCK_G, TILE]``, -inf where not ``valid``) ->
+    (p, alpha, m_new, l_new); the caller rescales its accumulator by alpha and adds
+    ``(p * v_scale) @ v``. While no valid token has been seen (m_new = -inf) exp2 is kept away
     from NaN."""
-    s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -76,14 +87,14 @@ def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, o_rows,
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
     qk_scale, blocks_per_split, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
-    stride_cb, stride_ch, stride_cs, stride_bt,
+    stride_cb, stride_ch, stride_cs, stride_bt, stride_sb, stride_sh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MIN_BLOCKS: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
 
@@ -127,13 +138,19 @@ def _decode_split_kernel(
         blk = blk0 + tile_blk
         blk_ok = blk < blk_end
         valid = blk_ok & (blk * BLOCK_SIZE + tile_off < ctx_len)
-        block_base = tl.load(bt_row + blk, mask=blk_ok, other=0).to(tl.int64) * stride_cb
+        block_id = tl.load(bt_row + blk, mask=blk_ok, other=0).to(tl.int64)
+        block_base = block_id * stride_cb
+        scale_offs = block_id * stride_sb + kv_head * stride_sh + tile_off
 
         kt = tl.load(k_cache_ptr + block_base[None, :] + kt_in_block, mask=valid[None, :],
                      other=0.0)
-        p, alpha, m_new, l_i = _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION)
+        k_scale = _load_scales(k_scale_ptr, scale_offs, valid, TILE, QUANT)
+        p, alpha, m_new, l_i = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
+                                             DOT_PRECISION)
         v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None],
                     other=0.0)
+        if QUANT:
+            p = p * _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -246,7 +263,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
                            blocks_per_split: int | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None,
+                           scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its paged KV cache; returns ``out``.
 
     q: ``[B, num_q_heads, head_dim]`` (last-dim stride 1), num_q_heads = G * num_kv_heads; query
@@ -296,17 +314,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     direct = num_splits == 1
     workspace = split_workspace(out, num_splits)
     fp32 = torch.float32 in (q.dtype, k_cache.dtype)
+    k_scale, v_scale = check_scales(scales, k_cache, q.device)
 
     compiled = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
         out, *workspace,
         scale * _LOG2E, blocks_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_scale.stride(0), k_scale.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCKS_PER_ITER=_blocks_per_iter(block_size),
         MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct,
-        DOT_PRECISION="ieee" if fp32 else "tf32",
+        DOT_PRECISION="ieee" if fp32 else "tf32", QUANT=scales is not None,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if key not in _waves and q.is_cuda:

@@ -10,36 +10,46 @@ import time
 
 import torch
 
+from oasiskv.kernels.fp8 import dequantize, quantize_rows
+
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``k[i]``/``v[i]`` (``[N, num_kv_heads, head_dim]``) into cache slot
     ``slot_mapping[i]``.
 
     Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (or strided views of that shape,
     e.g. a layer of the host store), written in place with values cast to their dtype; slot =
-    ``block_id * block_size + offset``; negative slots are skipped.
+    ``block_id * block_size + offset``; negative slots are skipped. FP8 caches: rows quantised
+    with ``scales`` ``(k_scale, v_scale)`` ``[num_blocks, num_kv_heads, block_size]`` written too.
     """
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // block_size, slots % block_size
     # Advanced indices split by a slice: the selection is [n, num_kv_heads, head_dim].
-    k_cache[blk, :, off] = k[keep].to(k_cache.dtype)
-    v_cache[blk, :, off] = v[keep].to(v_cache.dtype)
+    for x, cache, i in ((k, k_cache, 0), (v, v_cache, 1)):
+        if scales is None:
+            cache[blk, :, off] = x[keep].to(cache.dtype)
+        else:
+            cache[blk, :, off], scales[i][blk, :, off] = quantize_rows(x[keep])
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None,
-                     blocks_per_split: int | None = None) -> torch.Tensor:
+                     blocks_per_split: int | None = None, num_splits: int | None = None,
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache, as ``paged_decode_attention``; returns ``out``.
 
     q: ``[B, num_q_heads, head_dim]``; query head h attends kv head ``h // G``. Caches:
     ``[num_blocks, num_kv_heads, block_size, head_dim]``. block_tables: ``[B, max_blocks]``, entries
     past a row's ``ceil(context_lens[b] / block_size)`` blocks are never used. context_lens:
     ``[B]``; rows with 0 give zeros. out: optional ``[B, num_q_heads, head_dim]`` target, else a new
-    tensor of q's dtype. blocks_per_split is accepted for signature parity and ignored.
+    tensor of q's dtype. FP8 caches come with ``scales`` ``[num_blocks, num_kv_heads,
+    block_size]`` each. blocks_per_split and num_splits are accepted for signature parity and
+    ignored.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -57,8 +67,9 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                       block_tables[:, :n_blk].long(), 0)
     tokens = n_blk * block_size
     # [B, n_blk, H, bs, D] -> [B, H, T, D]
-    k = k_cache[ids].transpose(1, 2).reshape(batch, num_kv_heads, tokens, head_dim).float()
-    v = v_cache[ids].transpose(1, 2).reshape(batch, num_kv_heads, tokens, head_dim).float()
+    k, v = (dequantize(cache[ids], None if scales is None else scales[i][ids])
+            .transpose(1, 2).reshape(batch, num_kv_heads, tokens, head_dim)
+            for i, cache in enumerate((k_cache, v_cache)))
     # [B, 1, T, 1]
     valid = (torch.arange(tokens, device=q.device) < lens[:, None])[:, None, :, None]
     k = k.masked_fill(~valid, 0.0)
@@ -108,7 +119,8 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
                       ws_map: torch.Tensor, seq_slots: torch.Tensor, local_lens: torch.Tensor,
                       scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                       draft_rows: torch.Tensor | None = None, extra_k: torch.Tensor | None = None,
-                      extra_v: torch.Tensor | None = None) -> torch.Tensor:
+                      extra_v: torch.Tensor | None = None,
+                      scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention over per-head working sets, as ``sparse_decode_attention``; returns
     ``out``.
 
@@ -118,7 +130,8 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     ``ws_map[s, h, j] >= 0`` and the first ``local_lens[n]`` tokens of slot W-1; rows with nothing
     to attend give zeros. draft_rows ``[N]`` (q row of row n's draft, -1 none): a draft row attends
     what its row attends plus its own ``extra_k/extra_v`` ``[Nq, Hk, D]`` entry (nothing for a
-    padding row's draft). num_splits is accepted for signature parity and ignored.
+    padding row's draft). FP8 working sets come with ``scales`` ``[S, Hk, W, B]`` each. num_splits
+    is accepted for signature parity and ignored.
     """
     num_rows, num_q_heads, head_dim = q.shape
     n = seq_slots.shape[0]
@@ -145,8 +158,9 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     tokens = num_slots * block_size
     valid = (tok_ok & (seq >= 0)[:, None, None, None]).reshape(num_rows, num_kv_heads, tokens)
 
-    k = ws_k[rows].reshape(num_rows, num_kv_heads, tokens, head_dim).float()
-    v = ws_v[rows].reshape(num_rows, num_kv_heads, tokens, head_dim).float()
+    k, v = (dequantize(ws[rows], None if scales is None else scales[i][rows])
+            .reshape(num_rows, num_kv_heads, tokens, head_dim)
+            for i, ws in enumerate((ws_k, ws_v)))
     if draft_rows is not None:  # one more token per q row: its own key/value, valid on draft rows
         k = torch.cat([k, extra_k.float()[:, :, None]], dim=2)
         v = torch.cat([v, extra_v.float()[:, :, None]], dim=2)
@@ -189,18 +203,22 @@ def block_scores_ref(q: torch.Tensor, summaries: torch.Tensor, block_tables: tor
 def gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: torch.Tensor,
                       ws_v: torch.Tensor, src_block: torch.Tensor, src_head: torch.Tensor,
                       dst_slot: torch.Tensor, num_programs: int = 64,
-                      items_per_iter: int = 1) -> None:
+                      items_per_iter: int = 1,
+                      scales: tuple[torch.Tensor, ...] | None = None) -> None:
     """Copy ``host[src_block[i], layer, src_head[i]]`` (``[B, D]``) into slot ``dst_slot[i]`` of the
     working set flattened as ``[S * Hk * W, B, D]``, K and V, as ``gather_blocks``; items with a
     negative ``src_block`` are skipped. Host and working set may live on different devices.
+    FP8 slices travel with their row scales (``scales`` = host K, host V, working-set K, V).
     num_programs and items_per_iter are accepted for signature parity and ignored.
     """
-    block_size, head_dim = host_k.shape[-2:]
     keep = src_block >= 0
-    for host, ws in ((host_k, ws_k), (host_v, ws_v)):
+    pairs = [(host_k, ws_k), (host_v, ws_v)]
+    if scales is not None:
+        pairs += [(scales[0], scales[2]), (scales[1], scales[3])]
+    for host, ws in pairs:
         src = host[src_block[keep].long().to(host.device), layer,
                    src_head[keep].long().to(host.device)]
-        ws.view(-1, block_size, head_dim)[dst_slot[keep].long().to(ws.device)] = \
+        ws.view(-1, *host.shape[3:])[dst_slot[keep].long().to(ws.device)] = \
             src.to(ws.device, ws.dtype)
 
 
@@ -221,18 +239,21 @@ def clock_add_ref(acc: torch.Tensor, sign: int) -> None:
 
 def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor,
                      summaries: torch.Tensor, dst_block: torch.Tensor, dst_head: torch.Tensor,
-                     num_tokens: torch.Tensor | None = None) -> None:
+                     num_tokens: torch.Tensor | None = None,
+                     src_scale: torch.Tensor | None = None) -> None:
     """Element-wise max (row 0) and min (row 1) over the tokens of ``src[idx0[i], idx1[i]]``
     (``[B, D]``) into ``summaries[dst_block[i], dst_head[i]]``, as ``block_minmax``; items with a
     negative ``dst_block`` (or ``num_tokens[i] == 0``) are skipped; only the first ``num_tokens[i]``
-    tokens count when given. src and summaries may live on different devices.
+    tokens count when given. src and summaries may live on different devices. An FP8 ``src`` comes
+    with ``src_scale`` ``[I0, I1, B]``.
     """
     block_size = src.shape[2]
     keep = dst_block >= 0
     if num_tokens is not None:
         keep &= num_tokens > 0
     # [m, B, D]
-    blocks = src[idx0[keep].long().to(src.device), idx1[keep].long().to(src.device)].float()
+    at = idx0[keep].long().to(src.device), idx1[keep].long().to(src.device)
+    blocks = dequantize(src[at], None if src_scale is None else src_scale[at])
     blocks = blocks.to(summaries.device)
     if num_tokens is None:
         hi, lo = blocks.amax(1), blocks.amin(1)

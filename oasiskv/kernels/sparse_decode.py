@@ -30,8 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.paged_decode import (_load_q, _softmax_tile, _store_split, _wave_size,
-                                          default_num_splits, merge_splits, split_workspace)
+from oasiskv.kernels.fp8 import check_scales
+from oasiskv.kernels.paged_decode import (_load_q, _load_scales, _softmax_tile, _store_split,
+                                          _wave_size, default_num_splits, merge_splits,
+                                          split_workspace)
 
 _LOG2E = 1.4426950408889634
 # 64 KV tokens per inner-loop iteration (4 slots at B=16), as paged_decode; 4 warps (``_wave_size``
@@ -45,7 +47,7 @@ _DEFAULT_WAVE = 512
 
 @triton.jit
 def _sparse_split_kernel(
-    q_ptr, ws_k_ptr, ws_v_ptr, ws_map_ptr, seq_slots_ptr, local_lens_ptr,
+    q_ptr, ws_k_ptr, ws_v_ptr, k_scale_ptr, v_scale_ptr, ws_map_ptr, seq_slots_ptr, local_lens_ptr,
     draft_rows_ptr, extra_k_ptr, extra_v_ptr,
     out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
     qk_scale, slots_per_split, num_splits, num_slots, num_q_heads,
@@ -53,9 +55,11 @@ def _sparse_split_kernel(
     stride_ks, stride_kh, stride_kw, stride_kt,
     stride_vs, stride_vh, stride_vw, stride_vt,
     stride_ms, stride_mh, stride_xkn, stride_xkh, stride_xvn, stride_xvh,
+    stride_ss, stride_sh, stride_sw,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DRAFT: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` (and, HAS_DRAFT, of
     its draft row ``draft_rows[pid(0)]`` when >= 0, program rows G..2G-1) over the slots of split
@@ -97,6 +101,7 @@ def _sparse_split_kernel(
     map_row = ws_map_ptr + seq64 * stride_ms + kv_head * stride_mh
     k_head = ws_k_ptr + seq64 * stride_ks + kv_head * stride_kh
     v_head = ws_v_ptr + seq64 * stride_vs + kv_head * stride_vh
+    scale_head = seq64 * stride_ss + kv_head * stride_sh
     # Per-token offset inside a slot, K transposed ([HEAD_DIM, TILE]) so it loads straight as K^T.
     kt_in_slot = tile_off[None, :] * stride_kt + offs_d[:, None]
     v_in_slot = tile_off[:, None] * stride_vt + offs_d[None, :]
@@ -113,10 +118,15 @@ def _sparse_split_kernel(
 
         kt = tl.load(k_head + (slot64 * stride_kw)[None, :] + kt_in_slot, mask=valid[None, :],
                      other=0.0)
+        scale_offs = scale_head + slot64 * stride_sw + tile_off
+        k_scale = _load_scales(k_scale_ptr, scale_offs, valid, TILE, QUANT)
         # a tile may hold no valid token (empty slots): _softmax_tile keeps that finite
-        p, alpha, m_new, l_i = _softmax_tile(q, kt, valid, m_i, l_i, qk_scale, DOT_PRECISION)
+        p, alpha, m_new, l_i = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
+                                             DOT_PRECISION)
         v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None],
                     other=0.0)
+        if QUANT:
+            p = p * _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -150,7 +160,9 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
                             scale: float, out: torch.Tensor | None = None,
                             num_splits: int | None = None, draft_rows: torch.Tensor | None = None,
                             extra_k: torch.Tensor | None = None,
-                            extra_v: torch.Tensor | None = None) -> torch.Tensor:
+                            extra_v: torch.Tensor | None = None,
+                            scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> torch.Tensor:
     """Decode attention of one query token per row over its sequence's working set; returns
     ``out``.
 
@@ -172,8 +184,11 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     with q's dtype. num_splits: split-K factor over the W slots (default from
     ``paged_decode.default_num_splits`` with the measured wave size); each split covers whole
     iterations of slots, splits past the last slot write neutral partials. Math is fp32 with K/V
-    upcast; dots as tf32 for 16-bit inputs, IEEE fp32 when q or the working set is fp32.
-    No host sync; CUDA-graph capturable (grid and workspace depend on shapes only).
+    upcast; dots as tf32 for 16-bit inputs, IEEE fp32 when q or the working set is fp32. An FP8
+    working set (``float8_e4m3fn``) comes with ``scales``: float32 ``(k_scale, v_scale)``
+    ``[S, Hk, W, B]`` (last-dim stride 1, the same strides), one per stored row
+    (``kernels/fp8.py``); the draft rows' own K/V are unscaled. No host sync; CUDA-graph
+    capturable (grid and workspace depend on shapes only).
     """
     num_rows, num_q_heads, head_dim = q.shape
     n = seq_slots.shape[0]
@@ -222,9 +237,12 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     # [Nq, Hq, ...]: draft rows have their own partials
     workspace = split_workspace(out, num_splits)
     fp32 = torch.float32 in (q.dtype, ws_k.dtype)
+    k_scale, v_scale = check_scales(scales, ws_k, q.device)
+    assert k_scale.stride() == v_scale.stride()
 
     compiled = _sparse_split_kernel[(n, num_kv_heads, num_splits)](
-        q, ws_k, ws_v, ws_map, seq_slots, local_lens, draft_rows, extra_k, extra_v,
+        q, ws_k, ws_v, k_scale, v_scale, ws_map, seq_slots, local_lens, draft_rows, extra_k,
+        extra_v,
         out, *workspace,
         scale * _LOG2E, slots_per_split, num_splits, num_slots, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -232,11 +250,12 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
         ws_v.stride(0), ws_v.stride(1), ws_v.stride(2), ws_v.stride(3),
         ws_map.stride(0), ws_map.stride(1),
         extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group * (2 if has_draft else 1))),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32", HAS_DRAFT=has_draft,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        QUANT=scales is not None, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device) or _DEFAULT_WAVE

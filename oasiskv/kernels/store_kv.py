@@ -10,33 +10,75 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.fp8 import FP8_MAX, MIN_AMAX, check_scales
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """float32 ``x`` (|x| <= 448) rounded to the nearest e4m3 value, ties to even, still float32:
+    the final cast is then exact on every backend (the interpreter's own fp8 rounding is not)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648  # 0x80000000
+    biased = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    # mantissa bits below the e4m3 grid: 20 down to 2^-6 (normal e4m3), then one more per halving
+    # (the grid stays 2^-9); at 23 only the implicit leading bit is kept
+    drop = tl.minimum(20 + tl.maximum(121 - biased, 0), 23)
+    lsb = ((mant | 0x800000) >> drop) & 1
+    rounded = (bits + ((1 << (drop - 1)) - 1 + lsb)) & ~((1 << drop) - 1)
+    # [2^-10, 2^-9): 2^-9 above the tie, 0 at it (even); below: 0
+    tiny = tl.where((biased == 117) & (mant > 0), sign | (118 << 23), sign)
+    return tl.where(biased < 118, tiny, rounded).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_rows(x_ptr, cache_ptr, scale_ptr, cache_off, scale_off, mask, row_mask,
+                FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr):
+    """Store rows ``[BLOCK_H, BLOCK_D]`` (``mask``) into the cache: cast, or (QUANT) quantised per
+    row, its scale written at ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask``
+    (``kernels/fp8.py``)."""
+    x = tl.load(x_ptr, mask=mask, other=0.0)
+    if QUANT:
+        x = x.to(tl.float32)
+        # IEEE divisions: the torch reference rounds the same way
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), MIN_AMAX), FP8_MAX)[:, None]
+        x = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX))
+        tl.store(scale_ptr + scale_off, scale, mask=row_mask)
+    tl.store(cache_ptr + cache_off, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kch, stride_vcb, stride_vch, stride_cs,
+    stride_sb, stride_sh,
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One program per token: copies its ``[num_heads, head_dim]`` K and V rows into the cache
-    slot."""
+    slot (QUANT: as FP8 rows with their scales)."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_heads) & (dims < head_dim) & (slot >= 0)
-    blk, in_blk = slot // BLOCK_SIZE, (slot % BLOCK_SIZE) * stride_cs + dims
-    k = tl.load(k_ptr + tok * stride_kn + heads * stride_kh + dims, mask=mask)
-    tl.store(k_cache_ptr + blk * stride_kcb + heads * stride_kch + in_blk,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + tok * stride_vn + heads * stride_vh + dims, mask=mask)
-    tl.store(v_cache_ptr + blk * stride_vcb + heads * stride_vch + in_blk,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    row_mask = (heads < num_heads) & (slot >= 0)
+    mask = row_mask & (dims < head_dim)
+    blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    in_blk = off * stride_cs + dims
+    scale_off = blk * stride_sb + heads * stride_sh + off
+    _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, k_cache_ptr,
+                k_scale_ptr, blk * stride_kcb + heads * stride_kch + in_blk, scale_off, mask,
+                row_mask, FP8_MAX, MIN_AMAX, QUANT)
+    _store_rows(v_ptr + tok * stride_vn + heads * stride_vh + dims, v_cache_ptr,
+                v_scale_ptr, blk * stride_vcb + heads * stride_vch + in_blk, scale_off, mask,
+                row_mask, FP8_MAX, MIN_AMAX, QUANT)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor,
+             scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``k[i]``/``v[i]`` into cache slot ``slot_mapping[i]``, in place; negative slots are
     skipped.
 
@@ -44,8 +86,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k_cache, v_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same shape/dtype, each
     with its last two dims contiguous (strides of dims 0 and 1 free, e.g. a layer view of the host
     store); values are cast to the cache dtype. slot_mapping: int32/int64 ``[N]``. Duplicate
-    non-negative slots leave an unspecified one of the duplicates in the cache. Does not
-    synchronize; CUDA-graph capturable.
+    non-negative slots leave an unspecified one of the duplicates in the cache. FP8 caches
+    (``float8_e4m3fn``) come with ``scales``: float32 ``(k_scale, v_scale)``, the caches' shape
+    without the last dim (same strides for both), last-dim stride 1: each row is quantised with
+    its own scale (``kernels/fp8.py``). Does not synchronize; CUDA-graph capturable.
     """
     n, num_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -59,15 +103,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k.stride(2) == 1 and v.stride(2) == 1, "k/v need last-dim stride 1"
     assert slot_mapping.shape == (n,) and slot_mapping.dtype in (torch.int32, torch.int64)
     slot_mapping = slot_mapping.contiguous()  # read as a packed array
+    k_scale, v_scale = check_scales(scales, k_cache, k.device)
+    assert k_scale.stride() == v_scale.stride()
     if n == 0:
         return
     _store_kv_kernel[(n,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        k_cache.stride(2),
+        k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
         num_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, QUANT=scales is not None,
     )

@@ -18,13 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.fp8 import check_scales
+
 
 @triton.jit
 def _block_minmax_kernel(
     src_ptr, idx0_ptr, idx1_ptr, summaries_ptr, dst_block_ptr, dst_head_ptr, num_tokens_ptr,
-    stride_s0, stride_s1, stride_st, stride_sb, stride_sh, stride_sr,
+    scale_ptr,
+    stride_s0, stride_s1, stride_st, stride_sb, stride_sh, stride_sr, stride_c0, stride_c1,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_NUM_TOKENS: tl.constexpr,
+    HAS_NUM_TOKENS: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Max and min over the tokens of block ``src[idx0[i], idx1[i]]`` into
     ``summaries[dst_block[i], dst_head[i]]``."""
@@ -45,6 +48,9 @@ def _block_minmax_kernel(
     valid = live & t_mask[:, None] & d_mask[None, :]
     x = tl.load(src_ptr + i0 * stride_s0 + i1 * stride_s1 + offs_t[:, None] * stride_st
                 + offs_d[None, :], mask=valid, other=0.0).to(tl.float32)
+    if QUANT:  # FP8 rows times their scales: the keys attention sees
+        x = x * tl.load(scale_ptr + i0 * stride_c0 + i1 * stride_c1 + offs_t,
+                        mask=live & t_mask, other=0.0)[:, None]
     hi = tl.max(tl.where(valid, x, float("-inf")), 0)
     lo = tl.min(tl.where(valid, x, float("inf")), 0)
     dst = summaries_ptr + tl.maximum(dst_block, 0) * stride_sb + dst_head * stride_sh + offs_d
@@ -55,7 +61,8 @@ def _block_minmax_kernel(
 
 def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summaries: torch.Tensor,
                  dst_block: torch.Tensor, dst_head: torch.Tensor,
-                 num_tokens: torch.Tensor | None = None) -> None:
+                 num_tokens: torch.Tensor | None = None,
+                 src_scale: torch.Tensor | None = None) -> None:
     """Write the summary of block ``src[idx0[i], idx1[i]]`` to
     ``summaries[dst_block[i], dst_head[i]]``.
 
@@ -67,8 +74,9 @@ def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summ
     the same dtype; a narrower dtype may move the bounds inward by half an ulp). Items with
     ``dst_block[i] < 0`` are skipped. num_tokens: optional int32/int64 ``[M]``: reduce only the
     first ``min(num_tokens[i], B)`` tokens (0 skips the item); default all B (blocks passed are
-    complete). Returns once launched: no host sync, CUDA-graph capturable. Duplicate destinations
-    leave an unspecified one of them.
+    complete). An FP8 ``src`` comes with ``src_scale``, float32 ``[I0, I1, B]`` (last-dim stride
+    1): the summary is of the dequantized keys. Returns once launched: no host sync, CUDA-graph
+    capturable. Duplicate destinations leave an unspecified one of them.
     """
     _, _, block_size, head_dim = src.shape
     assert src.stride(3) == 1, "src needs last-dim stride 1"
@@ -79,13 +87,17 @@ def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summ
     assert idx0.shape == idx1.shape == dst_block.shape == dst_head.shape == (m,)
     idx0, idx1, dst_block, dst_head = (x.contiguous() for x in (idx0, idx1, dst_block, dst_head))
     assert num_tokens is None or num_tokens.shape == (m,)
+    scale = check_scales(None if src_scale is None else (src_scale, src_scale), src,
+                         idx0.device)[0]
     if m == 0:
         return
     _block_minmax_kernel[(m,)](
         src, idx0, idx1, summaries, dst_block, dst_head,
-        dst_block if num_tokens is None else num_tokens,
+        dst_block if num_tokens is None else num_tokens, scale,
         src.stride(0), src.stride(1), src.stride(2),
         summaries.stride(0), summaries.stride(1), summaries.stride(2),
+        scale.stride(0), scale.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=triton.next_power_of_2(block_size),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NUM_TOKENS=num_tokens is not None,
+        QUANT=src_scale is not None,
     )

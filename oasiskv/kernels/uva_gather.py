@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.fp8 import check_scales
+
 _MAX_CHUNK = 4096  # elements per load/store; a B=16, D=128 slice (2048) moves in one
 _NUM_WARPS = 4
 
@@ -28,9 +30,12 @@ _NUM_WARPS = 4
 @triton.jit
 def _gather_kernel(
     host_k_ptr, host_v_ptr, ws_k_ptr, ws_v_ptr, src_block_ptr, src_head_ptr, dst_slot_ptr,
+    host_ks_ptr, host_vs_ptr, ws_ks_ptr, ws_vs_ptr,
     num_items, layer_off_k, layer_off_v,
     stride_kb, stride_kh, stride_vb, stride_vh, stride_wk, stride_wv,
+    layer_off_s, stride_sb, stride_sh, stride_ws,
     SLICE: tl.constexpr, CHUNK: tl.constexpr, ITEMS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program ``pid`` copies tiles ``pid, pid + P, ...`` (P = number of programs) of ``ITEMS``
     consecutive items of the index lists; one tile's loads are all in flight together."""
@@ -54,11 +59,20 @@ def _gather_kernel(
             v = tl.load(src_v[:, None] + c + offs[None, :], mask=mask)
             tl.store(dst_k[:, None] + c + offs[None, :], k.to(ws_k_ptr.dtype.element_ty), mask=mask)
             tl.store(dst_v[:, None] + c + offs[None, :], v.to(ws_v_ptr.dtype.element_ty), mask=mask)
+        if QUANT:  # the slices' B row scales, in flight with them
+            offs_b = tl.arange(0, BLOCK_SIZE)
+            src_s = (layer_off_s + block * stride_sb + head * stride_sh)[:, None] + offs_b[None, :]
+            dst_s = (dst * stride_ws)[:, None] + offs_b[None, :]
+            ks = tl.load(host_ks_ptr + src_s, mask=live[:, None])
+            vs = tl.load(host_vs_ptr + src_s, mask=live[:, None])
+            tl.store(ws_ks_ptr + dst_s, ks, mask=live[:, None])
+            tl.store(ws_vs_ptr + dst_s, vs, mask=live[:, None])
 
 
 def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: torch.Tensor,
                   ws_v: torch.Tensor, src_block: torch.Tensor, src_head: torch.Tensor,
-                  dst_slot: torch.Tensor, num_programs: int = 64, items_per_iter: int = 1) -> None:
+                  dst_slot: torch.Tensor, num_programs: int = 64, items_per_iter: int = 1,
+                  scales: tuple[torch.Tensor, ...] | None = None) -> None:
     """Copy ``host[src_block[i], layer, src_head[i]]`` into working-set slot ``dst_slot[i]``,
     K and V.
 
@@ -71,6 +85,9 @@ def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: 
     and the destination slots distinct. num_programs: grid size bound
     (P = min(num_programs, cdiv(M, items_per_iter))); items_per_iter (a power of two): items one
     program moves per loop iteration, all loads in flight at once, so fewer programs keep PCIe busy.
+    FP8 slices (``kernels/fp8.py``) travel with their row scales: ``scales`` = float32
+    ``(host_k_scale, host_v_scale, ws_k_scale, ws_v_scale)``, the four tensors' shapes without the
+    last dim (last-dim stride 1; K and V scales with the same strides), copied in the same loop.
     Returns once launched: no host sync, CUDA-graph capturable (the grid depends on M, a shape).
     """
     num_host_blocks, num_layers, num_kv_heads, block_size, head_dim = host_k.shape
@@ -93,15 +110,22 @@ def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: 
                                      dst_slot.contiguous())
     assert src_block.shape == src_head.shape == dst_slot.shape == (m,)
     assert num_programs >= 1 and items_per_iter >= 1 and items_per_iter & (items_per_iter - 1) == 0
+    device = src_block.device
+    host_ks, host_vs = check_scales(None if scales is None else scales[:2], host_k, device)
+    ws_ks, ws_vs = check_scales(None if scales is None else scales[2:], ws_k, device)
+    flat_ks, flat_vs = ws_ks.view(-1, ws_ks.shape[-1]), ws_vs.view(-1, ws_vs.shape[-1])
+    assert host_ks.stride() == host_vs.stride() and flat_ks.stride() == flat_vs.stride()
     if m == 0:
         return
     slice_len = block_size * head_dim
     _gather_kernel[(min(num_programs, triton.cdiv(m, items_per_iter)),)](
         host_k, host_v, flat_k, flat_v, src_block, src_head, dst_slot,
+        host_ks, host_vs, flat_ks, flat_vs,
         m, layer * host_k.stride(1), layer * host_v.stride(1),
         host_k.stride(0), host_k.stride(2), host_v.stride(0), host_v.stride(2),
         flat_k.stride(0), flat_v.stride(0),
+        layer * host_ks.stride(1), host_ks.stride(0), host_ks.stride(2), flat_ks.stride(0),
         SLICE=slice_len, CHUNK=min(_MAX_CHUNK, triton.next_power_of_2(slice_len)),
-        ITEMS=items_per_iter,
+        ITEMS=items_per_iter, BLOCK_SIZE=block_size, QUANT=scales is not None,
         num_warps=_NUM_WARPS,
     )

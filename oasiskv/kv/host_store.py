@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from oasiskv.kernels.fp8 import empty_kv
 from oasiskv.kv.layout import TieredLayout
 
 logger = logging.getLogger(__name__)
@@ -29,13 +30,15 @@ class HostStore:
         self.layout, self.num_blocks = layout, num_blocks
         shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
                  layout.head_dim)
-        self.k, self.v = (torch.empty(shape, dtype=layout.dtype),
-                          torch.empty(shape, dtype=layout.dtype))
+        #: FP8 storage: float32 ``(k_scale, v_scale)`` ``[num_blocks, num_layers, Hk, B]``
+        self.k, self.v, self.scales = empty_kv(shape, layout.storage_dtype)
+        tensors = [self.k, self.v, *(self.scales or ())]
         if pin:
-            for t in (self.k, self.v):
+            for t in tensors:
                 _page_lock(self, t)
-        logger.info("host store: %d blocks, %.2f GiB%s", num_blocks,
-                    2 * self.k.numel() * self.k.element_size() / 2**30, " pinned" if pin else "")
+        logger.info("host store: %d blocks, %.2f GiB (%s)%s", num_blocks,
+                    sum(t.numel() * t.element_size() for t in tensors) / 2**30,
+                    str(layout.storage_dtype).removeprefix("torch."), " pinned" if pin else "")
 
     def physical_blocks(self, ids: torch.Tensor) -> torch.Tensor:
         """Host block ids (negative = none) -> rows of ``k``/``v``."""
@@ -46,8 +49,12 @@ class HostStore:
         ``k``/``v``."""
         return slots
 
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views ``[num_blocks, Hk, B]`` of one layer's K and V row scales (FP8), else None."""
+        return None if self.scales is None else tuple(s[:, layer] for s in self.scales)
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_physical, Hk, B, D]`` of one layer's K and V (strided, last two dims
+        """Views ``[num_blocks, Hk, B, D]`` of one layer's K and V (strided, last two dims
         contiguous)."""
         return self.k[:, layer], self.v[:, layer]
 

@@ -2,7 +2,8 @@
 
 Host store, per K and V: ``[num_host_blocks, num_layers, Hk, B, D]`` (one (block, layer, kv-head)
 slice of B*D elements is contiguous: the unit copied to HBM). Working set, per layer and K/V:
-``[num_seq_slots, Hk, W, B, D]`` with W = K + 1 (slot W-1 is the local block). Summaries, per layer:
+``[num_seq_slots, Hk, W, B, D]`` with W = K + 1 (slot W-1 is the local block). FP8 storage adds
+float32 scales of the same shapes without D (``kernels/fp8.py``). Summaries, per layer:
 ``[num_host_blocks, Hk, 2, D]`` (element-wise max, then min, of a block's post-RoPE keys).
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oasiskv.kernels.fp8 import row_bytes
+
 
 @dataclass(frozen=True)
 class TieredLayout:
@@ -20,7 +23,12 @@ class TieredLayout:
     head_dim: int
     block_size: int
     topk_blocks: int          # K
-    dtype: torch.dtype
+    dtype: torch.dtype        # the model's: summaries, attention inputs
+    kv_dtype: torch.dtype | None = None  # K/V storage (host store, working sets); None: dtype
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
     @property
     def slots(self) -> int:
@@ -33,8 +41,8 @@ class TieredLayout:
 
     @property
     def slice_bytes(self) -> int:
-        """One (block, layer, kv-head) slice of K or V."""
-        return self.block_size * self.head_dim * self.dtype.itemsize
+        """One (block, layer, kv-head) slice of K or V (FP8: with its rows' scales)."""
+        return self.block_size * row_bytes(self.head_dim, self.storage_dtype)
 
     @property
     def host_block_bytes(self) -> int:

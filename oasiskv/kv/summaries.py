@@ -26,11 +26,12 @@ class SummaryStore:
         self._minmax, self._scores = kernel("block_minmax", cuda), kernel("block_scores", cuda)
 
     def update(self, layer: int, src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor,
-               dst_block: torch.Tensor, dst_head: torch.Tensor) -> None:
-        """Summarise complete blocks ``src[idx0[i], idx1[i]]`` (src a ``[I0, I1, B, D]`` view) into
-        (``dst_block[i]``, ``dst_head[i]``) of ``layer``; entries with ``dst_block < 0`` are
-        skipped."""
-        self._minmax(src, idx0, idx1, self.tables[layer], dst_block, dst_head)
+               dst_block: torch.Tensor, dst_head: torch.Tensor,
+               src_scale: torch.Tensor | None = None) -> None:
+        """Summarise complete blocks ``src[idx0[i], idx1[i]]`` (src a ``[I0, I1, B, D]`` view; FP8:
+        with its row scales ``[I0, I1, B]``) into (``dst_block[i]``, ``dst_head[i]``) of ``layer``;
+        entries with ``dst_block < 0`` are skipped."""
+        self._minmax(src, idx0, idx1, self.tables[layer], dst_block, dst_head, src_scale=src_scale)
 
     def scores(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor,
                num_blocks: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from oasiskv.attention.prefill import prefill_attention
 from oasiskv.config import TierConfig
 from oasiskv.engine.forward_batch import ForwardBatch
 from oasiskv.kernels.dispatch import kernel
+from oasiskv.kernels.fp8 import dequantize, empty_kv
 from oasiskv.kv.counters import DeviceCounters
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
@@ -49,6 +50,11 @@ class TierStep:
     draft_rows: torch.Tensor | None = None
     draft_of: torch.Tensor | None = None
     aux: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _k_scale(scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """The K half of a (k, v) scale pair (summaries are of keys), None without FP8."""
+    return None if scales is None else scales[0]
 
 
 def host_blocks_for(gib: float, layout: TieredLayout) -> int:
@@ -93,7 +99,8 @@ class TieredKV:
               slot_mapping: torch.Tensor) -> None:
         """Write the step's K/V ``[T, Hk, D]`` into the host store (negative slots skipped)."""
         host_k, host_v = self.host.layer(layer)
-        self._store(k, v, host_k, host_v, self.host.physical_slots(slot_mapping))
+        self._store(k, v, host_k, host_v, self.host.physical_slots(slot_mapping),
+                    scales=self.host.layer_scales(layer))
 
     def prefill(self, layer: int, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Dense attention over each sequence's prompt (a chunk's prefix read from the host store),
@@ -117,12 +124,14 @@ class TieredKV:
         heads, B, D = lay.num_kv_heads, lay.block_size, lay.head_dim
         blocks = batch.block_tables[row, : -(-length // B)].long()
         n = blocks.shape[0]
-        k = torch.empty((n * heads, B, D), dtype=lay.dtype, device=self.device)
-        v = torch.empty_like(k)
+        k, v, scales = empty_kv((n * heads, B, D), lay.storage_dtype, self.device)
         head = torch.arange(heads, device=self.device).repeat(n)
         self._gather(self.host.k, self.host.v, layer, k, v,
                      self.host.physical_blocks(blocks.repeat_interleave(heads)), head,
-                     torch.arange(n * heads, device=self.device))
+                     torch.arange(n * heads, device=self.device),
+                     scales=None if scales is None else (*self.host.scales, *scales))
+        if scales is not None:
+            k, v = (dequantize(x, s).to(lay.dtype) for x, s in zip((k, v), scales))
         return tuple(x.view(n, heads, B, D).transpose(0, 1).reshape(heads, -1, D)[:, :length]
                      for x in (k, v))
 
@@ -134,7 +143,7 @@ class TieredKV:
         blocks = host_blocks.long().repeat_interleave(heads)
         head = torch.arange(heads, device=blocks.device).repeat(host_blocks.numel())
         self.summaries.update(layer, self.host.layer(layer)[0], self.host.physical_blocks(blocks),
-                              head, blocks, head)
+                              head, blocks, head, _k_scale(self.host.layer_scales(layer)))
 
     def _seed(self, layer: int, q_last: torch.Tensor, table: torch.Tensor, length: int,
               slot: torch.Tensor) -> None:
@@ -163,7 +172,8 @@ class TieredKV:
         """Append each row's new K/V ``[N, Hk, D]`` to its local block (slots, pos ``[N]``)."""
         B = self.layout.block_size
         local_k, local_v = self.ws.local(layer)
-        self._store(k, v, local_k, local_v, slots.long() * B + pos % B)
+        self._store(k, v, local_k, local_v, slots.long() * B + pos % B,
+                    scales=self.ws.local_scales(layer))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: "TierStep", pos: torch.Tensor, scale: float) -> torch.Tensor:
@@ -174,7 +184,8 @@ class TieredKV:
         extra = ({} if step.draft_rows is None
                  else dict(draft_rows=step.draft_rows, extra_k=k, extra_v=v))
         return self._attend(q, self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], step.slots,
-                            (pos % B + 1).to(torch.int32), scale, **extra)
+                            (pos % B + 1).to(torch.int32), scale, scales=self.ws.scales[layer],
+                            **extra)
 
     def complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor,
                               tables: torch.Tensor, real: torch.Tensor) -> None:
@@ -188,7 +199,7 @@ class TieredKV:
         local_k = self.ws.local(layer)[0]
         self.summaries.update(layer, local_k, slots.repeat_interleave(lay.num_kv_heads), heads,
                               torch.where(done, host_block, -1).repeat_interleave(lay.num_kv_heads),
-                              heads)
+                              heads, _k_scale(self.ws.local_scales(layer)))
         self.ws.promote_local(layer, slots, done, pos // B, self.now)
 
     def retrieve(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.dispatch import kernel
+from oasiskv.kernels.fp8 import as_bytes, empty_kv
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.selection import scatter_where
@@ -30,9 +31,10 @@ class WorkingSet:
         self.layout, self.num_slots = layout, num_slots
         L, H, W, B, D = (layout.num_layers, layout.num_kv_heads, layout.slots, layout.block_size,
                          layout.head_dim)
-        self.k = [torch.zeros((num_slots, H, W, B, D), dtype=layout.dtype, device=device)
+        layers = [empty_kv((num_slots, H, W, B, D), layout.storage_dtype, device, zero=True)
                   for _ in range(L)]
-        self.v = [torch.zeros_like(self.k[0]) for _ in range(L)]
+        #: per layer ``[S, Hk, W, B, D]``; FP8: ``scales[layer]`` = float32 (k, v) ``[S, Hk, W, B]``
+        self.k, self.v, self.scales = (list(x) for x in zip(*layers))
         self.map = [torch.full((num_slots, H, W), -1, dtype=torch.int32, device=device)
                     for _ in range(L)]
         self.last = [torch.zeros((num_slots, H, layout.topk_blocks), dtype=torch.long,
@@ -46,6 +48,11 @@ class WorkingSet:
         """Views ``[S, Hk, B, D]`` of every slot's local block at ``layer``."""
         w = self.layout.local_slot
         return self.k[layer][:, :, w], self.v[layer][:, :, w]
+
+    def local_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views ``[S, Hk, B]`` of the local blocks' row scales (FP8), else None."""
+        scales = self.scales[layer]
+        return None if scales is None else tuple(s[:, :, self.layout.local_slot] for s in scales)
 
     def reset(self, layer: int, slots: torch.Tensor) -> None:
         """Forget what ``slots`` held at ``layer`` (a sequence is being seeded)."""
@@ -93,8 +100,11 @@ class WorkingSet:
     def gather(self, layer: int, host: HostStore, items: torch.Tensor) -> None:
         """Copy the slices of a ``copy_list`` ``[3, M]`` from the host store into ``layer``'s
         working set."""
+        ws_scales = self.scales[layer]
+        scales = None if ws_scales is None else (*host.scales, *ws_scales)
         self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], items[0], items[1],
-                     items[2], num_programs=_GATHER_PROGRAMS, items_per_iter=_GATHER_ITEMS)
+                     items[2], num_programs=_GATHER_PROGRAMS, items_per_iter=_GATHER_ITEMS,
+                     scales=scales)
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor,
                       block: torch.Tensor, now: int | torch.Tensor) -> None:
@@ -109,7 +119,8 @@ class WorkingSet:
         # not done: copy onto itself
         dst = torch.where(done[:, None], victim, local)
         rows, heads = slots.long()[:, None], self._heads[None, :]
-        for cache in (self.k[layer], self.v[layer]):
+        for cache in (self.k[layer], self.v[layer], *(self.scales[layer] or ())):
+            cache = as_bytes(cache)
             cache[rows, heads, dst] = cache[rows, heads, local]
         mask, index = done[:, None, None].expand(*victim.shape, 1), victim[..., None]
         scatter_where(ws_map, mask, index, block.view(-1, 1, 1).expand(*victim.shape, 1),

@@ -22,8 +22,9 @@ def tiny(request, tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def dense_tokens(path, batch, params=GREEDY):
-    return [o.token_ids for o in LLM(str(path), num_kv_blocks=512).generate(batch, params)]
+def dense_tokens(path, batch, params=GREEDY, kv_cache_dtype="auto", **kw):
+    llm = LLM(str(path), num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype, **kw)
+    return [o.token_ids for o in llm.generate(batch, params)]
 
 
 @pytest.mark.parametrize("engine_kw", [
@@ -33,11 +34,18 @@ def dense_tokens(path, batch, params=GREEDY):
     # host store too small for all at once: queueing + preemption
     dict(host_kv_gib=0.0004, max_num_seqs=8),
 ], ids=["plain", "chunked-prefill", "tight-host-store"])
-def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw, kv_cache_dtype):
+    """FP8: the host store, working sets and dense pool quantise every row the same way, so tiered
+    FP8 decode equals dense FP8 decode (chunked the same way: a later chunk reads its prefix
+    quantised) token for token."""
     batch = prompts(5, seed=1)
-    kw = dict(kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01) | engine_kw
+    kw = dict(kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
+              kv_cache_dtype=kv_cache_dtype) | engine_kw
     llm = LLM(str(tiny), **kw)
-    assert [o.token_ids for o in llm.generate(batch, GREEDY)] == dense_tokens(tiny, batch)
+    chunk = {k: v for k, v in engine_kw.items() if k == "max_num_batched_tokens"}
+    want = dense_tokens(tiny, batch, kv_cache_dtype=kv_cache_dtype, **chunk)
+    assert [o.token_ids for o in llm.generate(batch, GREEDY)] == want
     alloc = llm.engine.allocator
     alloc.check_invariants([])
     assert alloc.num_free_blocks == alloc.num_total_blocks
@@ -170,9 +178,11 @@ def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
     assert abs(runs["oasis K=16 no cap"]["delta"]) < 1e-4
 
 
-def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch):
-    """The engine's calls into every Triton kernel (interpreter on CPU) give dense decode's tokens:
-    catches argument mismatches (strides, index layouts) that the torch references would forgive."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch, kv_cache_dtype):
+    """The engine's calls into every Triton kernel (interpreter on CPU) give dense decode's tokens
+    (dense decode through the references, in the same storage dtype): catches argument mismatches
+    (strides, index layouts, scales) that the torch references would forgive."""
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the kernels in the Triton interpreter (CPU machines)")
@@ -180,10 +190,12 @@ def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch):
     path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
     batch = prompts(2, lo=20, hi=90, seed=5)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    want = dense_tokens(path, batch, params)
+    want = dense_tokens(path, batch, params, kv_cache_dtype)
     real = dispatch.kernel
     monkeypatch.setattr(dispatch, "kernel", lambda name, cuda: real(name, True))
-    llm = LLM(str(path), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01)
+    assert dense_tokens(path, batch, params, kv_cache_dtype) == want  # the paged path's kernels
+    llm = LLM(str(path), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
+              kv_cache_dtype=kv_cache_dtype)
     assert [o.token_ids for o in llm.generate(batch, params)] == want
 
 

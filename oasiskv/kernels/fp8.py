@@ -1,0 +1,80 @@
+"""FP8 KV storage (``kv_cache_dtype=fp8``): e4m3 values with one float32 scale per stored row.
+
+A stored row is one token's K (or V) for one kv head: ``head_dim`` values. Writing it
+(``store_kv``) takes its absolute maximum ``a`` and stores ``x * (448 / a)`` rounded to
+``float8_e4m3fn`` (448: the format's largest finite value, so no value saturates) and the scale
+``a / 448``; reading it (decode kernels, summaries, prefill) multiplies back. Why per row (token,
+kv head): decode appends one token at a time, so a row's scale is fixed when it is written and no
+block is ever re-quantised; an outlier token or head costs only its own precision; no calibration
+is needed. Cost: 4 bytes per ``head_dim`` bytes (3% at head_dim 128). Scales live beside the values
+in tensors of the same leading shape without the last dimension (a cache ``[N, Hk, B, D]`` has
+scales ``[N, Hk, B]``) and travel with them (the UVA gather copies both).
+
+This module is the torch side: the dtype, the rounding rule kernels and references share, and
+helpers that check scale tensors and dequantize gathered rows.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+#: a row's scale never goes below this (an all-zero row: any positive scale stores zeros)
+MIN_AMAX = 1e-30
+
+
+def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one stored row of ``head_dim`` values takes in ``dtype`` storage (FP8: + its scale)."""
+    return head_dim * dtype.itemsize + (4 if dtype == FP8 else 0)
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype``: ``auto`` stores K/V in the model's dtype, ``fp8`` as e4m3 + scales."""
+    return FP8 if kv_cache_dtype == "fp8" else model_dtype
+
+
+def empty_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+             zero: bool = False):
+    """K and V storage ``shape`` (``[..., D]``) in ``dtype`` -> (k, v, scales): ``scales`` is the
+    float32 ``(k_scale, v_scale)`` pair ``shape[:-1]`` for FP8 storage, else None."""
+    make = torch.zeros if zero else torch.empty
+    if dtype != FP8:
+        return (make(shape, dtype=dtype, device=device), make(shape, dtype=dtype, device=device),
+                None)
+    k, v = (make(shape, dtype=torch.uint8, device=device).view(FP8) for _ in range(2))
+    return k, v, tuple(make(shape[:-1], dtype=torch.float32, device=device) for _ in range(2))
+
+
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """A view to index and copy with: FP8 tensors as uint8 (not every device indexes FP8)."""
+    return x.view(torch.uint8) if x.dtype == FP8 else x
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[..., D]`` -> (FP8 values ``[..., D]``, float32 scales ``[...]``): the rule every
+    writer follows (``store_kv`` and its reference)."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Stored rows ``[..., D]`` and their scales ``[...]`` (None: 16/32-bit storage) -> float32."""
+    return values.float() if scale is None else values.float() * scale[..., None]
+
+
+def check_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.Tensor,
+                 device: torch.device):
+    """The (k, v) scale tensors a kernel running on ``device`` gets for ``cache`` ``[..., D]``: the
+    given ones, checked (float32, shape ``cache.shape[:-1]``, last-dim stride 1), or placeholders
+    on ``device`` never read."""
+    if scales is None:
+        assert cache.dtype != FP8, "an FP8 cache needs its scales"
+        placeholder = torch.empty((1,) * (cache.dim() - 1), dtype=torch.float32, device=device)
+        return placeholder, placeholder
+    assert cache.dtype == FP8, f"scales given for a {cache.dtype} cache"
+    for s in scales:
+        assert s.dtype == torch.float32 and s.shape == cache.shape[:-1] and s.stride(-1) == 1, (
+            f"scales {tuple(s.shape)} {s.dtype} do not fit cache {tuple(cache.shape)}")
+    return scales

@@ -1,0 +1,214 @@
+"""FP8 KV storage (``kernels/fp8.py``): every kernel that writes or reads FP8 rows with their
+per-row scales vs its torch reference, on random inputs with NaN wherever nothing may be read.
+
+Writers quantise exactly like ``quantize_rows`` (bit-identical values and scales); readers equal
+their references on the same FP8 rows and the dense computation on the dequantized rows. CPU runs
+use the Triton interpreter and tiny shapes."""
+import math
+
+import pytest
+import torch
+
+from oasiskv.kernels.fp8 import FP8, FP8_MAX, dequantize, quantize_rows
+from oasiskv.kernels.paged_decode import paged_decode_attention
+from oasiskv.kernels.reference import (block_minmax_ref, gather_blocks_ref, paged_decode_ref,
+                                       sparse_decode_ref, store_kv_ref)
+from oasiskv.kernels.sparse_decode import sparse_decode_attention
+from oasiskv.kernels.store_kv import store_kv
+from oasiskv.kernels.summaries import block_minmax
+from oasiskv.kernels.uva_gather import gather_blocks
+from tests.kernels.test_paged_decode import _case, _dense
+from tests.kernels.test_sparse_kernels import ROWS, _dense_sparse, _host_case, _ws_case
+
+NAN = float("nan")
+
+
+def quantized(cache):
+    """An FP8 copy of a float cache ``[..., D]`` and its scales ``[...]`` (NaN rows stay NaN)."""
+    return quantize_rows(cache)
+
+
+def bits(x):
+    return x.view(torch.uint8) if x.dtype == FP8 else x
+
+
+def test_quantize_rows_round_trip_and_range():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=gen) * torch.logspace(-4, 3, 64)[:, None]
+    x[3] = 0.0
+    q, scale = quantize_rows(x)
+    assert q.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (64,)
+    assert q.float().abs().amax(-1)[torch.arange(64) != 3].eq(FP8_MAX).all(), "rows use the range"
+    err = (dequantize(q, scale) - x).abs()
+    assert (err <= x.abs().amax(-1, keepdim=True) * 2**-4).all()  # 3 mantissa bits
+    assert dequantize(q, scale)[3].eq(0).all()
+
+
+@pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
+def test_store_kv_fp8_writes_quantised_rows_and_scales(fn):
+    gen = torch.Generator().manual_seed(1)
+    n, heads, block, dim, blocks = 7, 2, 16, 32, 3
+    mags = torch.logspace(-3, 2, n * heads).view(n, heads, 1)
+    k, v = (torch.randn(n, heads, dim, generator=gen) * mags for _ in range(2))
+    slots = torch.tensor([0, 17, -1, 5, 47, 18, 33])
+    k_cache = torch.full((blocks, heads, block, dim), NAN).to(FP8)
+    v_cache = k_cache.clone()
+    scales = tuple(torch.full((blocks, heads, block), NAN) for _ in range(2))
+    fn(k, v, k_cache, v_cache, slots, scales=scales)
+    keep = slots >= 0
+    b, o = slots[keep] // block, slots[keep] % block
+    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+        want_q, want_s = quantize_rows(x[keep])
+        assert torch.equal(bits(cache[b, :, o]), bits(want_q))
+        assert torch.equal(scale[b, :, o], want_s)
+        written = torch.zeros(blocks * block, dtype=torch.bool)
+        written[slots[keep]] = True
+        assert cache.float().transpose(1, 2).reshape(-1, heads, dim)[~written].isnan().all()
+        assert scale.transpose(1, 2).reshape(-1, heads)[~written].isnan().all()
+
+
+@pytest.mark.parametrize("lens,group", [([5, 40, 0, 17], 2), ([64, 33], 4)])
+def test_paged_decode_fp8_equals_reference_and_dequantized_dense(lens, group):
+    q, k_cache, v_cache, tables, ctx = _case(lens, num_kv_heads=2, group=group, head_dim=32,
+                                             block_size=16, dtype=torch.float32, seed=3)
+    (kq, ks), (vq, vs) = quantized(k_cache), quantized(v_cache)
+    scale = 1 / math.sqrt(32)
+    out = torch.full_like(q, NAN)
+    got = paged_decode_attention(q, kq, vq, tables, ctx, scale, out=out, num_splits=2,
+                                 scales=(ks, vs))
+    ref = paged_decode_ref(q, kq, vq, tables, ctx, scale, scales=(ks, vs))
+    dense = _dense(q, dequantize(kq, ks), dequantize(vq, vs), tables, ctx, scale)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref.double(), dense, rtol=1e-4, atol=1e-4)
+    # and close to attention over the unquantised cache: FP8 moves outputs a few percent at most
+    plain = paged_decode_ref(q, k_cache, v_cache, tables, ctx, scale)
+    assert (got - plain).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_sparse_decode_fp8_equals_reference(with_draft):
+    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
+        ROWS, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, seed=4)
+    (kq, ks), (vq, vs) = quantized(ws_k), quantized(ws_v)
+    extra = {}
+    if with_draft:
+        gen = torch.Generator().manual_seed(5)
+        n = len(ROWS)
+        draft_rows = torch.tensor([n, -1, n + 1, -1, n + 2, -1], dtype=torch.int32)
+        q = torch.cat([q, torch.randn(3, q.shape[1], 32, generator=gen)])
+        extra = dict(draft_rows=draft_rows, extra_k=torch.randn(n + 3, 2, 32, generator=gen),
+                     extra_v=torch.randn(n + 3, 2, 32, generator=gen))
+    scale = 1 / math.sqrt(32)
+    out = torch.full_like(q, NAN)
+    got = sparse_decode_attention(q, kq, vq, ws_map, seq_slots, local_lens, scale, out=out,
+                                  num_splits=2, scales=(ks, vs), **extra)
+    ref = sparse_decode_ref(q, kq, vq, ws_map, seq_slots, local_lens, scale, scales=(ks, vs),
+                            **extra)
+    dense = _dense_sparse(q, dequantize(kq, ks), dequantize(vq, vs), ws_map, seq_slots,
+                          local_lens, scale, **extra)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref.double(), dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [gather_blocks, gather_blocks_ref], ids=["triton", "ref"])
+def test_gather_blocks_moves_fp8_slices_with_their_scales(fn):
+    host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(dtype=torch.float32,
+                                                                           seed=6)
+    (hk, hks), (hv, hvs) = quantized(host_k), quantized(host_v)
+    wk, wv = ws_k.to(FP8), ws_v.to(FP8)
+    wks, wvs = (torch.full(ws_k.shape[:-1], NAN) for _ in range(2))
+    want = [x.clone() for x in (wk, wv, wks, wvs)]
+    gather_blocks_ref(hk, hv, 1, want[0], want[1], src_block, src_head, dst_slot,
+                      scales=(hks, hvs, want[2], want[3]))
+    fn(hk, hv, 1, wk, wv, src_block, src_head, dst_slot, num_programs=2, items_per_iter=4,
+       scales=(hks, hvs, wks, wvs))
+    for got, exp in zip((wk, wv, wks, wvs), want):  # values bit for bit, scales NaN where unwritten
+        torch.testing.assert_close(bits(got), bits(exp), rtol=0, atol=0, equal_nan=True)
+    moved = int((src_block >= 0).sum())
+    assert moved > 0 and int((~wks.isnan()).sum()) == moved * 16
+
+
+@pytest.mark.parametrize("fn", [block_minmax, block_minmax_ref], ids=["triton", "ref"])
+def test_block_minmax_of_fp8_rows_is_of_the_dequantized_keys(fn):
+    host_k, _, _, _, _, _, _ = _host_case(dtype=torch.float32, seed=7)
+    host_k[torch.isnan(host_k)] = 3.0
+    kq, ks = quantized(host_k)
+    src, src_scale = kq[:, 1], ks[:, 1]
+    idx0 = torch.tensor([3, 0, 11, 7], dtype=torch.int32)
+    idx1 = torch.tensor([1, 0, 1, 0], dtype=torch.int64)
+    dst_block = torch.tensor([3, 0, -1, 7], dtype=torch.int32)
+    summaries = torch.full((12, 2, 2, 32), NAN)
+    fn(src, idx0, idx1, summaries, dst_block, idx1, src_scale=src_scale)
+    deq = dequantize(src, src_scale)
+    for a, b, d in zip(idx0.tolist(), idx1.tolist(), dst_block.tolist()):
+        if d >= 0:
+            assert torch.equal(summaries[d, b, 0], deq[a, b].amax(0))
+            assert torch.equal(summaries[d, b, 1], deq[a, b].amin(0))
+    assert int((~summaries.isnan()).sum()) == 3 * 2 * 32
+
+
+def cpu(*xs):
+    return [None if x is None else tuple(cpu(*x)) if isinstance(x, tuple) else x.cpu() for x in xs]
+
+
+@pytest.mark.gpu
+def test_fp8_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device):
+    """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16), bf16 queries: the compiled store, paged and
+    sparse decode, UVA gather from pinned memory and summaries on FP8 rows vs the references (run
+    on CPU copies)."""
+    torch.manual_seed(0)
+    dev, heads, group, dim, block = cuda_device, 8, 4, 128, 16
+    # store_kv: quantise 200 tokens into a pool of 32 blocks
+    k, v = (torch.randn(200, heads, dim, device=dev, dtype=torch.bfloat16) * 3 for _ in range(2))
+    slots = torch.randperm(32 * block, device=dev)[:200]
+    kc, vc = (torch.full((32, heads, block, dim), NAN, device=dev).to(FP8) for _ in range(2))
+    sc = tuple(torch.full((32, heads, block), NAN, device=dev) for _ in range(2))
+    kr, vr, sr = cpu(kc.clone(), vc.clone(), tuple(x.clone() for x in sc))
+    store_kv(k, v, kc, vc, slots, scales=sc)
+    store_kv_ref(*cpu(k, v), kr, vr, slots.cpu(), scales=sr)
+    assert torch.equal(bits(kc).cpu(), bits(kr)) and torch.equal(bits(vc).cpu(), bits(vr))
+    torch.testing.assert_close(cpu(*sc), list(sr), rtol=0, atol=0, equal_nan=True)
+    # paged decode over the quantised pool (rows never written made readable: zeros)
+    for cache in (kc, vc):
+        bits(cache)[cache.float().isnan()] = 0
+    sc = tuple(torch.nan_to_num(s) for s in sc)
+    lens = torch.tensor([150, 37, 200, 1], dtype=torch.int32, device=dev)
+    tables = (slots // block).unique()[None].expand(4, -1).to(torch.int32).contiguous()
+    q = torch.randn(4, heads * group, dim, device=dev, dtype=torch.bfloat16)
+    got = paged_decode_attention(q, kc, vc, tables, lens, dim ** -0.5, scales=sc)
+    ref = paged_decode_ref(*cpu(q, kc, vc, tables, lens), dim ** -0.5, scales=cpu(*sc))
+    torch.testing.assert_close(got.float().cpu(), ref.float(), rtol=2e-2, atol=2e-2)
+    # sparse decode over an FP8 working set
+    cq, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
+        ROWS, num_kv_heads=heads, group=group, head_dim=dim, dtype=torch.float32, num_slots=9,
+        seed=8, device=dev)
+    (wk, wks), (wv, wvs) = quantized(ws_k.cpu()), quantized(ws_v.cpu())
+    got = sparse_decode_attention(cq.bfloat16(), wk.to(dev), wv.to(dev), ws_map, seq_slots,
+                                  local_lens, dim ** -0.5, scales=(wks.to(dev), wvs.to(dev)))
+    ref = sparse_decode_ref(*cpu(cq.bfloat16()), wk, wv, *cpu(ws_map, seq_slots, local_lens),
+                            dim ** -0.5, scales=(wks, wvs))
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.float().cpu(), ref.float(), rtol=2e-2, atol=2e-2)
+    # gather from a pinned FP8 host store, then summaries of what is stored there
+    host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(
+        num_kv_heads=heads, head_dim=dim, dtype=torch.float32, m=64, num_host_blocks=40,
+        num_slots=9, device=dev, seed=9)
+    (hk, hks), (hv, hvs) = quantized(host_k), quantized(host_v)
+    hk, hv, hks, hvs = (x.pin_memory() for x in (hk, hv, hks, hvs))
+    wk, wv = ws_k.to(FP8), ws_v.to(FP8)
+    wks, wvs = (torch.full(ws_k.shape[:-1], NAN, device=dev) for _ in range(2))
+    want = cpu(wk.clone(), wv.clone(), wks.clone(), wvs.clone())
+    gather_blocks(hk, hv, 1, wk, wv, src_block, src_head, dst_slot, num_programs=8,
+                  items_per_iter=4, scales=(hks, hvs, wks, wvs))
+    gather_blocks_ref(hk, hv, 1, *want[:2], *cpu(src_block, src_head, dst_slot),
+                      scales=(hks, hvs, *want[2:]))
+    for got, exp in zip((wk, wv, wks, wvs), want):
+        torch.testing.assert_close(bits(got).cpu(), bits(exp), rtol=0, atol=0, equal_nan=True)
+    table = torch.full((40, heads, 2, dim), NAN, device=dev, dtype=torch.bfloat16)
+    want = table.cpu()
+    blocks = src_block.clamp(min=0)
+    block_minmax(hk[:, 1], blocks, src_head, table, src_block, src_head, src_scale=hks[:, 1])
+    block_minmax_ref(hk[:, 1], *cpu(blocks, src_head), want, *cpu(src_block, src_head),
+                     src_scale=hks[:, 1])
+    torch.testing.assert_close(table.cpu(), want, rtol=0, atol=0, equal_nan=True)
