@@ -49,10 +49,11 @@ class StepPlan:
 
 @dataclass
 class StepStats:
-    """What ``finish`` reports of a step: ``counters`` (the engine sums them over steps) and
-    ``gauges`` (values as of this step), by name."""
+    """What ``finish`` reports of a step: ``counters`` (the engine sums them over steps),
+    ``gauges`` (values as of this step) and ``per_layer`` counts of this step, by name."""
     counters: dict[str, float] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
+    per_layer: dict[str, list[float]] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):

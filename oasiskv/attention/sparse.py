@@ -164,22 +164,27 @@ class SparseBackend(AttentionBackend):
 
     def finish(self, batch: ScheduledBatch) -> StepStats:
         self.retrieval.finish()
-        counters = self.kv.counters.read()
+        lay = self.kv.layout
+        counters, per_layer = self.kv.counters.read()
         counters["deferred"] = counters["misses"] - counters["fetched_blocks"]
-        counters["fetched_bytes"] = 2 * counters["fetched_blocks"] * self.kv.layout.slice_bytes
+        counters["fetched_bytes"] = 2 * counters["fetched_blocks"] * lay.slice_bytes
         counters["decode_rows"], self._decode_rows = self._decode_rows, 0
+        # the most blocks the fetch cap lets this step admit: the cap per (row, layer, kv head)
+        counters["cap_slots"] = (self.kv.cap * lay.num_kv_heads * lay.num_layers
+                                 * counters["decode_rows"])
         if self.lookahead is not None:
             self.lookahead.advance(batch, self._last_aux(batch))
             counters.update(self.lookahead.take_counts())
-        lay, alloc = self.kv.layout, self.allocator
+        alloc = self.allocator
         used_slots = alloc.num_seq_slots - len(alloc.free_slots)
         gauges = {
             "hit_rate": counters["hits"] / max(1, counters["hits"] + counters["misses"]),
+            "cap_fill": counters["fetched_blocks"] / max(1, counters["cap_slots"]),
             "host_bytes_in_use": (alloc.num_total_blocks - alloc.num_free_blocks)
             * lay.host_block_bytes,
             "hbm_bytes_in_use": used_slots * lay.working_set_bytes
             + self.kv.host.num_blocks * lay.summary_bytes_per_block}
-        return StepStats(counters, gauges)
+        return StepStats(counters, gauges, {"fetched_blocks": per_layer["fetched_blocks"]})
 
     def _last_aux(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
         """The features the drafter reads: from the replayed graph's static meta, else this

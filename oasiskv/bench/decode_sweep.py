@@ -4,11 +4,13 @@ For each point, ``concurrency`` requests with random prompt tokens of ``context`
 prefilled (not timed), then every decode step is timed. Reported per point: output tok/s, TPOT
 (ms per decode step), mean running batch, KV bytes read per step, achieved bytes/s (weights + KV per
 step over step time) and its ratio to the measured device copy bandwidth (the roofline). In oasis
-mode also host->HBM bytes/s over PCIe and the foreground stall per step: time the decode stream
-waited for prefetch (async) or spent selecting and fetching (synchronous retrieval, inline), timed
-on the device by clock marks (graph replays included; the marks add two one-program kernels per
-layer). What the side stages cost the foreground by sharing the GPU is not stall: that is TPOT with
-``--prefetch async`` minus TPOT with ``--prefetch off``. With
+mode also host->HBM bytes/s over PCIe, how full the fetch cap ran (admitted blocks over what the
+cap allows; random weights at long context fill it: every head misses its whole cap, the worst
+case) and the foreground stall per step: time the decode stream waited for prefetch (async) or
+spent selecting and fetching (synchronous retrieval, inline), timed on the device by clock marks
+(graph replays included; the marks add two one-program kernels per layer). What the side stages
+cost the foreground by sharing the GPU is not stall: that is TPOT with ``--prefetch async`` minus
+TPOT with ``--prefetch off``. With
 ``--emulated-host-gib`` requests share physical host blocks (a benchmark-only capacity emulation):
 every such point is labelled EMULATED in the table and the JSON. With
 ``--engine hf`` transformers' ``generate`` runs the same points in the same process as a baseline.
@@ -48,6 +50,7 @@ class Point:
     kv_gb_per_step: float = 0.0
     pcie_gb_s: float = 0.0
     stall_ms: float | None = None
+    cap_fill: float | None = None  # tiered: admitted blocks / what the fetch cap allows
     achieved_gb_s: float = 0.0
     roofline: float = 0.0
     note: str = ""
@@ -223,6 +226,7 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
     for _ in range(n):
         engine.add_request([rng.randrange(1, vocab) for _ in range(context)], params)
     steps, seconds, batch_sum, kv_bytes, fetched, stall, timed = 0, 0.0, 0, 0, 0, 0.0, 0
+    admitted = allowed = 0
     while engine.has_unfinished():
         lens = [len(seq) for seq in engine.scheduler.running]  # what a decode step attends to
         t0 = time.perf_counter()
@@ -233,6 +237,8 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
             steps, seconds, batch_sum = steps + 1, seconds + dt, batch_sum + s.last_batch_size
             kv_bytes += kv_read_bytes(engine, lens)
             fetched += s.kv.get("fetched_bytes", 0)
+            admitted += s.kv.get("fetched_blocks", 0)
+            allowed += s.kv.get("cap_slots", 0)
             if clock is not None:
                 stall, timed = stall + clock.take(), timed + 1
         elif clock is not None:
@@ -245,6 +251,7 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.achieved_gb_s = (env["weights_gb"] + point.kv_gb_per_step) / (seconds / steps)
         point.roofline = point.achieved_gb_s / env["copy_gb_s"]
         point.pcie_gb_s = fetched / seconds / 1e9
+        point.cap_fill = admitted / allowed if allowed else None
         point.stall_ms = 1e3 * stall / timed if timed else None
     notes = ([f"{engine.stats.num_preemptions} preemptions so far"]
              if engine.stats.num_preemptions else [])
@@ -263,17 +270,18 @@ def print_table(points: list[Point], env: dict) -> None:
               f"(capacity emulation, benchmark only)")
     head = f"{'engine':30} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} " \
            f"{'TPOT ms':>8} {'KV GB/step':>10} {'GB/s':>8} {'roofline':>8} {'PCIe GB/s':>9} " \
-           f"{'stall ms':>8}  note"
+           f"{'stall ms':>8} {'cap fill':>8}  note"
     print(head)
     print("-" * len(head))
     for p in points:
         print(f"{p.engine:30} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} "
               f"{p.tok_s:9.1f} {p.tpot_ms:8.2f} {p.kv_gb_per_step:10.2f} {p.achieved_gb_s:8.0f} "
-              f"{p.roofline:8.2f} {p.pcie_gb_s:9.2f} {_stall(p):>8}  {p.note}")
+              f"{p.roofline:8.2f} {p.pcie_gb_s:9.2f} {_opt(p.stall_ms):>8} {_opt(p.cap_fill):>8}  "
+              f"{p.note}")
 
 
-def _stall(p: Point) -> str:
-    return "-" if p.stall_ms is None else f"{p.stall_ms:.2f}"
+def _opt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def plot(points: list[Point], path: str) -> None:

@@ -4,7 +4,9 @@ On held-out text cut into windows, each window's first ``window - last`` tokens 
 the last ``last`` positions are decoded one at a time, teacher-forced (the true next token is fed
 back, not the sampled one), once densely and once per oasis setting (K x fetch cap). Reported per
 setting: next-token loss on the true tokens (nats), its difference to dense, and greedy top-1
-agreement with dense at the same positions. A table, then one JSON line.
+agreement with dense at the same positions; for tiered runs, how full the fetch cap ran
+(admitted blocks per head per step over the cap: mean, p10/p50/p90 over decode steps, and per
+layer in the JSON). A table, then one JSON line.
 
 With ``--drafts`` it also runs the lookahead step (K = ``--draft-k``, the fetch cap on) once per
 drafter and reports, besides loss and top-1, the drafter's hit rate (its guess == the true next
@@ -43,6 +45,35 @@ class Run:
     top1: list[list[int]]
     draft_hit_rate: float | None = None
     set_agreement: list[float] | None = None
+    cap_fill: dict | None = None  # tiered runs: admitted blocks / what the fetch cap allows
+
+
+class CapFill:
+    """How full the fetch cap runs: per decode step, admitted blocks over the cap's allowance
+    (cap x kv heads x layers x rows), and per layer over the whole run."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self.admitted: list[float] = []
+        self.allowed = 0.0
+
+    def add(self, stats) -> None:
+        allowed = stats.kv.get("cap_slots", 0)
+        if not allowed:
+            return
+        per_layer = stats.kv_per_layer["fetched_blocks"]
+        self.steps.append(stats.kv["fetched_blocks"] / allowed)
+        self.admitted = [a + b for a, b in zip(self.admitted, per_layer)] or list(per_layer)
+        self.allowed += allowed / len(per_layer)
+
+    def summary(self) -> dict | None:
+        if not self.steps:
+            return None
+        steps = sorted(self.steps)
+        at = lambda p: steps[min(len(steps) - 1, int(p * len(steps)))]  # noqa: E731
+        return {"mean": sum(self.admitted) / (self.allowed * len(self.admitted)),
+                "p10": at(0.1), "p50": at(0.5), "p90": at(0.9),
+                "per_layer": [a / self.allowed for a in self.admitted]}
 
 
 def add_eval_flags(parser: argparse.ArgumentParser) -> None:
@@ -117,16 +148,17 @@ class OracleDrafter(Drafter):
         return guesses
 
 
-def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int,
-                   oracle: OracleDrafter | None = None):
-    """Mean NLL of the true tokens at each window's last ``last`` positions, the greedy tokens, and
-    the drafter's hit rate (None without guesses)."""
+def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting: str,
+                   oracle: OracleDrafter | None = None) -> Run:
+    """Mean NLL of the true tokens at each window's last ``last`` positions, the greedy tokens, the
+    drafter's hit rate (None without guesses) and how full the fetch cap ran (tiered runs)."""
     params = SamplingParams(max_tokens=last, temperature=0, ignore_eos=True, logprobs=1)
     forced = {engine.add_request(w[:-last], params): w[-last:] for w in wins}
     if oracle is not None:
         oracle.forced = forced
     nll, greedy = {rid: [] for rid in forced}, {rid: [] for rid in forced}
     hits = tries = 0
+    fill = CapFill()
     while engine.has_unfinished():
         outs = engine.step({rid: tokens[len(nll[rid])] for rid, tokens in forced.items()
                             if len(nll[rid]) < last})
@@ -136,9 +168,10 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int,
                 greedy[out.request_id].append(lp.top[0][0])
         hits += engine.stats.kv.get("draft_hits", 0)
         tries += engine.stats.kv.get("draft_guesses", 0)
+        fill.add(engine.stats)
     losses = [x for rid in forced for x in nll[rid]]
-    return (sum(losses) / len(losses), [greedy[rid] for rid in forced],
-            hits / tries if tries else None)
+    return Run(setting, sum(losses) / len(losses), [greedy[rid] for rid in forced],
+               hits / tries if tries else None, cap_fill=fill.summary())
 
 
 def evaluate(args: argparse.Namespace) -> list[Run]:
@@ -146,14 +179,13 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
                 max_model_len=args.window_len + 1, max_num_batched_tokens=args.window_len)
     dense = LLMEngine(**base)
     wins = windows(dense, args.text, args.windows, args.window_len)
-    runs = [Run("dense", *teacher_forced(dense, wins, args.last)[:2])]
+    runs = [teacher_forced(dense, wins, args.last, "dense")]
     _free(dense)
-    fp8 = args.kv_cache_dtype == "fp8"
     base["kv_cache_dtype"] = args.kv_cache_dtype
-    suffix = " fp8" if fp8 else ""
-    if fp8:
+    suffix = " fp8" if args.kv_cache_dtype == "fp8" else ""
+    if suffix:
         engine = LLMEngine(**base)
-        runs.append(Run("dense fp8", *teacher_forced(engine, wins, args.last)[:2]))
+        runs.append(teacher_forced(engine, wins, args.last, "dense fp8"))
         _free(engine)
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     for k in (int(x) for x in args.topk_blocks.split(",")):
@@ -161,14 +193,15 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
             engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,
                                host_kv_gib=host_gib)
             label = f"oasis{suffix} K={k} " + ("no cap" if ratio == 1.0 else f"cap f={ratio}")
-            runs.append(Run(label, *teacher_forced(engine, wins, args.last)[:2]))
+            runs.append(teacher_forced(engine, wins, args.last, label))
             _free(engine)
     for spec in filter(None, args.drafts.split(",")):
-        runs.append(lookahead_run(args, base, host_gib, wins, spec))
+        runs.append(lookahead_run(args, base, host_gib, wins, spec, suffix))
     return runs
 
 
-def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec: str) -> Run:
+def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec: str,
+                  suffix: str) -> Run:
     """Teacher-forced lookahead (K = draft_k, cap on) with one drafter, observed for set
     agreement."""
     oracle = OracleDrafter() if spec == "oracle" else None
@@ -178,11 +211,10 @@ def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec
     agreement = SetAgreement(ModelConfig.from_file(Path(args.model) / "config.json").num_layers)
     engine = LLMEngine(config,
                        backend_factory=oasis_backend(TierProbes(observers=[agreement]), oracle))
-    loss, top1, hit_rate = teacher_forced(engine, wins, args.last, oracle)
+    setting = f"lookahead{suffix} K={args.draft_k} f={args.fetch_ratio} {spec}"
+    run = teacher_forced(engine, wins, args.last, setting, oracle)
     _free(engine)
-    suffix = " fp8" if args.kv_cache_dtype == "fp8" else ""
-    run = Run(f"lookahead{suffix} K={args.draft_k} f={args.fetch_ratio} {spec}", loss, top1)
-    run.draft_hit_rate, run.set_agreement = hit_rate, agreement.per_layer()
+    run.set_agreement = agreement.per_layer()
     return run
 
 
@@ -207,20 +239,24 @@ def run_from_args(args: argparse.Namespace) -> int:
     rows = []
     print(f"\n{args.windows} windows x {args.window_len} tokens, last {args.last} positions "
           f"teacher-forced, block 16, model {args.model}")
-    print(f"{'setting':28} {'loss':>7} {'vs dense':>9} {'top-1 = dense':>14}")
+    print(f"{'setting':34} {'loss':>7} {'vs dense':>9} {'top-1 = dense':>14} "
+          f"{'cap fill mean/p10/p50/p90':>26}")
     for run in runs:
         same = sum(a == b for g, d in zip(run.top1, dense.top1) for a, b in zip(g, d))
         total = sum(len(g) for g in run.top1)
         rows.append({"setting": run.setting, "loss": run.loss, "delta": run.loss - dense.loss,
                      "top1_agreement": same / total, "draft_hit_rate": run.draft_hit_rate,
-                     "set_agreement_per_layer": run.set_agreement})
+                     "set_agreement_per_layer": run.set_agreement, "cap_fill": run.cap_fill})
         extra = "" if run.set_agreement is None else (
             f"  draft hit {'-' if run.draft_hit_rate is None else f'{run.draft_hit_rate:.3f}'}, "
             f"set agreement per layer "
             + " ".join(f"{a:.2f}" for a in run.set_agreement)
             + f" (mean {sum(run.set_agreement) / len(run.set_agreement):.3f})")
-        print(f"{run.setting:28} {run.loss:7.4f} {run.loss - dense.loss:+9.4f} "
-              f"{same / total:14.3f}{extra}")
+        fill = run.cap_fill
+        fills = "-" if fill is None else "/".join(f"{fill[k]:.2f}" for k in ("mean", "p10", "p50",
+                                                                              "p90"))
+        print(f"{run.setting:34} {run.loss:7.4f} {run.loss - dense.loss:+9.4f} "
+              f"{same / total:14.3f} {fills:>26}{extra}")
     print(json.dumps({"windows": args.windows, "window_len": args.window_len, "last": args.last,
                       "runs": rows}))
     return 0

@@ -67,6 +67,7 @@ class EngineStats:
     # the backend's counters of the last step (tiered KV: fetches, ...)
     kv: dict = field(default_factory=dict)
     kv_totals: dict = field(default_factory=dict)  # its counters summed over all steps
+    kv_per_layer: dict = field(default_factory=dict)  # the backend's per-layer counts, last step
 
 
 @dataclass
@@ -267,7 +268,7 @@ class LLMEngine:
         if batch.is_prefill:
             s.prompt_tokens_total += sum(batch.num_tokens)
         s.generation_tokens_total += num_sampled
-        s.kv = {**kv.counters, **kv.gauges}
+        s.kv, s.kv_per_layer = {**kv.counters, **kv.gauges}, kv.per_layer
         for key, value in kv.counters.items():
             s.kv_totals[key] = s.kv_totals.get(key, 0) + value
         self._update_queue_stats()

@@ -5,14 +5,17 @@ import torch
 
 
 class DeviceCounters:
-    """int64 ``tensor`` ``[len(names)]``, entry i counting ``names[i]`` (kernels add to it in that
-    order). ``read`` syncs the current stream, returns the counts and zeroes them."""
+    """int64 ``tensor`` ``[rows, len(names)]`` (a row per layer, say): entry (r, i) counts
+    ``names[i]`` of row r, kernels add to a row in that order. ``read`` syncs the current stream,
+    returns the counts and zeroes them."""
 
-    def __init__(self, names: tuple[str, ...], device: torch.device):
+    def __init__(self, names: tuple[str, ...], device: torch.device, rows: int = 1):
         self.names = names
-        self.tensor = torch.zeros(len(names), dtype=torch.long, device=device)
+        self.tensor = torch.zeros((rows, len(names)), dtype=torch.long, device=device)
 
-    def read(self) -> dict[str, int]:
+    def read(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """(totals by name, per-row counts by name)."""
         values = self.tensor.tolist()
         self.tensor.zero_()
-        return dict(zip(self.names, values))
+        per_row = {name: [row[i] for row in values] for i, name in enumerate(self.names)}
+        return {name: sum(rows) for name, rows in per_row.items()}, per_row

@@ -76,7 +76,8 @@ class TieredKV:
         self._gather = kernel("gather_blocks", cuda)
         self.now = torch.zeros((), dtype=torch.long, device=device)  # decode step stamp (LRU key)
         #: the selection kernel adds hits, misses and admitted blocks here, in this order
-        self.counters = DeviceCounters(("hits", "misses", "fetched_blocks"), device)
+        self.counters = DeviceCounters(("hits", "misses", "fetched_blocks"), device,
+                                       rows=layout.num_layers)
 
     # ---- storage ---------------------------------------------------------------------------------
     def make_host_store(self) -> HostStore:
@@ -206,13 +207,14 @@ class TieredKV:
                  complete: torch.Tensor, fetch: bool = True, notify: str | None = None,
                  now: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Score each row's ``complete`` ``[N]`` blocks with ``q`` ``[N, Hq, D]``, plan the capped
-        selection (counted in ``counters``) at stamp ``now`` (default: this step's) and, with
-        ``fetch``, copy the admitted blocks. Returns the plan: (host block ids, slots)."""
+        selection (counted in the layer's row of ``counters``) at stamp ``now`` (default: this
+        step's) and, with ``fetch``, copy the admitted blocks. Returns the plan: (host block ids,
+        slots)."""
         scores = self.summaries.scores(layer, q, tables, complete.to(torch.int32))
         if notify:
             self.notify(notify, layer, slots, scores)
         plan = self.ws.plan(layer, slots, tables, scores, self.cap,
-                            self.now if now is None else now, self.counters.tensor)
+                            self.now if now is None else now, self.counters.tensor[layer])
         if fetch:
             self.ws.fetch(layer, self.host, slots, *plan)
         return plan

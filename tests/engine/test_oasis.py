@@ -106,6 +106,11 @@ def test_cap_and_mapping_invariants_during_a_run(tiny):
             layers, heads = backend.layout.num_layers, backend.layout.num_kv_heads
             assert stats["fetched_blocks"] <= backend.cap * heads * layers * stats["decode_rows"]
             assert stats["hits"] + stats["misses"] <= 3 * heads * layers * stats["decode_rows"]
+            # how full the cap ran, in total and per layer
+            assert stats["cap_slots"] == backend.cap * heads * layers * stats["decode_rows"]
+            assert stats["cap_fill"] == stats["fetched_blocks"] / stats["cap_slots"] <= 1
+            per_layer = engine.stats.kv_per_layer["fetched_blocks"]
+            assert len(per_layer) == layers and sum(per_layer) == stats["fetched_blocks"]
             fetched_total += stats["fetched_blocks"]
             deferred_total += stats["deferred"]
         check_working_sets(engine)
@@ -176,6 +181,10 @@ def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
                          "oasis K=16 cap f=0.5"}
     assert runs["oasis K=16 no cap"]["top1_agreement"] == 1.0
     assert abs(runs["oasis K=16 no cap"]["delta"]) < 1e-4
+    assert runs["dense"]["cap_fill"] is None
+    capped = runs["oasis K=2 cap f=0.5"]["cap_fill"]  # cap 1 block per head per layer per step
+    assert 0 < capped["mean"] <= 1 and capped["p10"] <= capped["p50"] <= capped["p90"] <= 1
+    assert len(capped["per_layer"]) == 2 and 0 < min(capped["per_layer"])
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -211,6 +220,7 @@ def test_bench_reports_oasis_points_with_pcie_traffic():
     assert out.returncode == 0, out.stderr
     point = json.loads(out.stdout.strip().splitlines()[-1])["points"][0]
     assert point["engine"] == "oasis-K4-sync" and point["tok_s"] > 0 and point["pcie_gb_s"] > 0
+    assert 0 < point["cap_fill"] <= 1 and "cap fill" in out.stdout
     assert "PCIe GB/s" in out.stdout
 
 
