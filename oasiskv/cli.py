@@ -58,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"the server needs extra packages ({exc.name}): "
                          f"pip install 'oasiskv[server]'")
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
-                 max_waiting=args.max_waiting, served_model_name=args.served_model_name)
+                 max_waiting=args.max_waiting, served_model_name=args.served_model_name,
+                 max_request_bytes=args.max_request_bytes)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=1024,
                      help="most unfinished generations (queued or running) before new requests "
                           "get HTTP 503 (default: 1024)")
+    srv.add_argument("--max-request-bytes", type=int, default=32 << 20,
+                     help="largest request body accepted; larger ones get HTTP 413 "
+                          "(default: 33554432, 32 MiB)")
     srv.add_argument("--served-model-name", default=None,
                      help="model name in the API (default: folder name)")
     srv.set_defaults(func=cmd_serve)

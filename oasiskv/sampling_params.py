@@ -39,9 +39,13 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
+    #: temperatures below this sample greedily (dividing logits by a smaller, e.g. subnormal,
+    #: temperature overflows to inf and every probability to NaN)
+    GREEDY_BELOW = 1e-5
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.GREEDY_BELOW
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(name, value, want):

@@ -238,7 +238,8 @@ class ModelRunner:
         if all(x.greedy for x in p):  # the common case copies nothing to the device
             return SamplingTensors(None, None, None, None, [], True, False, max_logprobs)
         return SamplingTensors(
-            temperature=self._to_device([x.temperature for x in p], torch.float32),
+            temperature=self._to_device([0.0 if x.greedy else x.temperature for x in p],
+                                        torch.float32),
             top_k=self._to_device([x.top_k for x in p], torch.long),
             top_p=self._to_device([x.top_p for x in p], torch.float32),
             min_p=self._to_device([x.min_p for x in p], torch.float32),

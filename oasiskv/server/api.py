@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from oasiskv.config import EngineConfig
@@ -36,22 +37,33 @@ from oasiskv.server.protocol import ChatCompletionRequest, CompletionRequest, Mo
 
 logger = logging.getLogger(__name__)
 
+#: default bound of a request body (--max-request-bytes): far above any context a model here takes
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 
-def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+
+def _error_response(exc: APIError) -> Response:
+    # ASCII-escaped JSON: a message quoting the request's text can always be encoded
+    return Response(json.dumps(exc.body()), status_code=exc.status, headers=exc.headers,
+                    media_type="application/json")
+
+
+def _v1(scope: Scope) -> bool:
+    return scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/"))
 
 
 class _BearerAuth:
-    """ASGI middleware: paths under /v1 need ``Authorization: Bearer <key>`` (plain ASGI, so
-    streaming and disconnect detection pass through untouched)."""
+    """ASGI middleware: paths under /v1 need ``Authorization: Bearer <key>`` (the scheme in any
+    case, as HTTP says; plain ASGI, so streaming and disconnect detection pass through
+    untouched)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+        if _v1(scope):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(),
+                                                                        self.expected):
                 error = APIError(401, "missing or wrong API key: "
                                       "send 'Authorization: Bearer <key>'",
                                  code="invalid_api_key")
@@ -60,12 +72,63 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body under /v1 larger than ``max_bytes`` gets 413 before the app
+    parses it. A declared Content-Length is checked at once; a body without one is read (up to the
+    limit) and handed on."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not _v1(scope):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks, size, message = [], 0, {"more_body": True}
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> dict:
+            return replay.pop() if replay else await receive()
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body is larger than this server's limit of "
+                              f"{self.max_bytes} bytes (--max-request-bytes)")
+        await _error_response(error)(scope, receive, send)
+
+
+#: names pydantic puts in an error's location for the member of a union it tried
+_UNION_TAGS = {"str", "int", "float", "bool"}
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
         return APIError(400, (f"the request body is not valid JSON: "
                               f"{first.get('ctx', {}).get('error', '')}").strip())
+    surrogate = next((e for e in errors if e["type"] == "lone_surrogate"), None)
+    if surrogate is not None:  # a bad value, not a wrong type (other union members may say so)
+        loc = ".".join(str(part) for part in surrogate["loc"]
+                       if part != "body" and str(part) not in _UNION_TAGS and "[" not in str(part))
+        return APIError(400, f"{loc}: {surrogate['msg']}", param=loc or None,
+                        code="lone_surrogate")
     locs = [[str(part) for part in e["loc"] if part != "body"] for e in errors] or [[]]
     # a union reports one error per member: name the field they share
     common = os.path.commonprefix(locs)
@@ -76,14 +139,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int = 1024) -> FastAPI:
+               max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+               ) -> FastAPI:
     """The app around ``engine``; its lifespan starts and stops the engine thread. From here on only
     that thread may use ``engine``. ``app.state.engine`` is the ``AsyncEngine``,
     ``app.state.model_name`` the name clients must use."""
     model_name = served_model_name or engine.model_path.name
     vocab_size = engine.model_config.vocab_size
     metrics = Metrics(lambda: bridge.stats)
-    bridge = AsyncEngine(engine, max_waiting, on_finished=metrics.observe)
+    bridge = AsyncEngine(engine, max_waiting, on_finished=metrics.observe,
+                         on_unfinished=metrics.observe_unfinished)
     serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer,
                             model_name, vocab_size)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
@@ -92,12 +157,14 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def lifespan(app: FastAPI):
         bridge.start()
         yield
+        serving.close()
         await bridge.close()
 
     app = FastAPI(title="oasiskv", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.state.engine, app.state.model_name = bridge, model_name
-    if api_key:
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
+    if api_key:  # (added last: runs first)
         app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.exception_handler(APIError)
@@ -112,7 +179,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = (f"no route {request.method} {request.url.path}" if exc.status_code == 404
                    else str(exc.detail))
-        return _error_response(APIError(exc.status_code, message))
+        return _error_response(APIError(exc.status_code, message, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
@@ -172,11 +239,12 @@ class _Server(uvicorn.Server):
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_waiting: int = 1024,
-          served_model_name: str | None = None) -> int:
+          served_model_name: str | None = None,
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     """Load the engine and serve until SIGINT/SIGTERM; returns the exit status (0 after a clean
     stop). ``api_key`` falls back to ``$OASISKV_API_KEY``; empty means no auth."""
     api_key = api_key or os.environ.get("OASISKV_API_KEY") or None
-    app = create_app(LLMEngine(config), served_model_name, api_key, max_waiting)
+    app = create_app(LLMEngine(config), served_model_name, api_key, max_waiting, max_request_bytes)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_config=None,
                                     timeout_graceful_shutdown=10),
                      on_exit=app.state.engine.begin_shutdown)

@@ -1,12 +1,13 @@
 """AsyncEngine: the bridge between asyncio request handlers and the one thread that drives
 LLMEngine.
 
-Threading contract: only the engine thread touches the ``LLMEngine`` (including its tokenizer). The
-event loop sends it commands (add, abort, stop) through a thread-safe queue; the thread applies all
-pending commands between two steps, and blocks on the queue when nothing is unfinished (no busy
-spin). Results come back to the loop with ``loop.call_soon_threadsafe``, one call per step, and are
-routed to the ``RequestHandle`` of the HTTP request they belong to. All handle and routing state
-lives on the loop thread.
+Threading contract: only the engine thread touches the ``LLMEngine`` (its tokenizer included:
+prompts arrive as token ids, tokenized by the handlers on their own thread with their own copy, see
+``completions.py``; ``check_prompts`` may run on any thread). The event loop sends it commands (add,
+abort, stop) through a thread-safe queue; the thread applies all pending commands between two steps,
+and blocks on the queue when nothing is unfinished (no busy spin). Results come back to the loop
+with ``loop.call_soon_threadsafe``, one call per step, and are routed to the ``RequestHandle`` of
+the HTTP request they belong to. All handle and routing state lives on the loop thread.
 
 Failure contract: bad input is refused with ``APIError(400)`` before anything is queued. An
 exception escaping ``LLMEngine.step`` fails every unfinished request with ``APIError(500)`` and the
@@ -31,6 +32,10 @@ from oasiskv.sampling_params import SamplingParams
 from oasiskv.server.errors import APIError
 
 logger = logging.getLogger(__name__)
+
+
+#: seconds an overloaded server asks clients to wait before retrying (HTTP Retry-After)
+RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -87,12 +92,16 @@ class AsyncEngine:
     ``begin_shutdown`` which may be called from any thread or a signal handler."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int,
-                 on_finished: Callable[[RequestOutput], None] | None = None):
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_unfinished: Callable[[str, int], None] | None = None):
+        """``on_finished(output)`` is told of every finished engine request, ``on_unfinished(why,
+        count)`` of those that ended otherwise: ``aborted`` (the client went away) or ``error``."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_finished = on_finished
+        self.on_unfinished = on_unfinished or (lambda why, count: None)
         self.stats: EngineStats = dataclasses.replace(engine.stats)  #: snapshot after the last step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # unfinished engine request -> (handle, choice)
@@ -119,26 +128,47 @@ class AsyncEngine:
         """Engine requests submitted and not yet finished, failed or aborted."""
         return len(self._routes)
 
-    async def submit(self, prompts: list[str | list[int]], params: list[SamplingParams],
+    def check_prompts(self, prompt_ids: list[list[int]], max_tokens: int | None) -> None:
+        """Raise ``APIError(400)`` for a prompt the engine cannot take: empty, a token outside the
+        vocabulary, or prompt plus ``max_tokens`` over the context limit (any thread)."""
+        limit, vocab = self.engine.max_model_len, self.engine.model_config.vocab_size
+        for ids in prompt_ids:
+            if not ids:
+                raise APIError(400, "the prompt is empty: give at least one token", param="prompt")
+            if len(ids) >= limit:
+                raise APIError(400, f"the prompt has {len(ids)} tokens but the context limit is "
+                                    f"{limit} tokens (prompt + output): shorten the prompt",
+                               param="prompt")
+            if max_tokens is not None and len(ids) + max_tokens > limit:
+                raise APIError(400, f"max_tokens is {max_tokens} but the prompt has {len(ids)} "
+                                    f"tokens and the context limit is {limit}: "
+                                    f"ask for at most {limit - len(ids)} tokens",
+                               param="max_tokens")
+            if not all(type(t) is int and 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be integers in [0, {vocab})",
+                               param="prompt")
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
                      max_tokens: int | None) -> RequestHandle:
         """Start ``len(prompts) * len(params)`` engine requests, all or none.
 
-        ``params[j]`` is choice ``j`` of every prompt; their ``max_tokens`` is replaced: by
-        ``max_tokens`` (0 still generates one token, for the caller to drop), or by whatever the
-        context leaves after the prompt when ``max_tokens`` is None. Raises ``APIError``: 400 for
-        bad prompts or a prompt plus ``max_tokens`` over the context limit, 503 when more than
+        ``prompts``: token ids that passed ``check_prompts`` with this ``max_tokens``. ``params[j]``
+        is choice ``j`` of every prompt; their ``max_tokens`` is replaced: by ``max_tokens`` (0
+        still generates one token, for the caller to drop), or by whatever the context leaves after
+        the prompt when ``max_tokens`` is None. Raises ``APIError``: 400 when ``n`` exceeds what
+        the server ever admits (or the engine refuses a prompt), 503 when more than
         ``max_waiting`` engine requests would be unfinished or the server is shutting down.
         """
         count = len(prompts) * len(params)
         if not self.healthy:
-            raise APIError(503, "the server is shutting down")
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if count > self.max_waiting:
             raise APIError(400, f"this request needs {count} generations (prompts x n) but the "
                                 f"server admits at most {self.max_waiting} at a time", param="n")
         if self.num_unfinished + count > self.max_waiting:
             raise APIError(503, f"the server is overloaded: {self.num_unfinished} requests are "
                                 f"queued or running (limit {self.max_waiting}); retry later",
-                           code="overloaded")
+                           code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
         base = f"r{next(self._ids)}"
         handle = RequestHandle(self, [f"{base}-{i}" for i in range(count)])
         for i, rid in enumerate(handle.request_ids):
@@ -154,6 +184,8 @@ class AsyncEngine:
 
     def _abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
+        if live:
+            self.on_unfinished("aborted", len(live))
         if live and self.healthy:
             self._commands.put(_Abort(live))
 
@@ -179,9 +211,12 @@ class AsyncEngine:
             if route is None:
                 continue  # aborted: its consumer is gone
             handle, index = route
-            if isinstance(item, APIError) or item.finished:
+            if isinstance(item, APIError):
                 del self._routes[rid]
-                if self.on_finished is not None and not isinstance(item, APIError):
+                self.on_unfinished("error", 1)
+            elif item.finished:
+                del self._routes[rid]
+                if self.on_finished is not None:
                     self.on_finished(item)
             handle._queue.put_nowait((index, item))
 
@@ -258,17 +293,7 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> list[list[int]]:
         limit = self.engine.max_model_len
-        prompt_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in cmd.prompts]
-        for ids in prompt_ids:
-            if len(ids) >= limit:
-                raise APIError(400, f"the prompt has {len(ids)} tokens but the context limit is "
-                                    f"{limit} tokens (prompt + output): shorten the prompt",
-                               param="prompt")
-            if cmd.max_tokens is not None and len(ids) + cmd.max_tokens > limit:
-                raise APIError(400, f"max_tokens is {cmd.max_tokens} but the prompt has {len(ids)} "
-                                    f"tokens and the context limit is {limit}: "
-                                    f"ask for at most {limit - len(ids)} tokens",
-                               param="max_tokens")
+        prompt_ids = [list(p) for p in cmd.prompts]  # checked by the caller (check_prompts)
         added: list[str] = []
         try:
             rids = iter(cmd.request_ids)

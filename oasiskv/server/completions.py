@@ -9,16 +9,19 @@ choice for chat, and a usage chunk when asked), then ``data: [DONE]``; an error 
 started is an ``{"error": ...}`` event before ``[DONE]``. Whenever the client goes away, streaming
 or not, the request's unfinished engine requests are aborted at once. Completions with
 ``max_tokens: 0`` run one token and drop it, so ``echo`` + ``logprobs`` score a prompt
-(lm-evaluation-harness loglikelihood). Chat templates are rendered on the event loop (Jinja only;
-the tokenizer itself is left to the engine thread).
+(lm-evaluation-harness loglikelihood). Chat templates are rendered on the event loop (Jinja only);
+prompts are tokenized and checked on one tokenizer thread of the server's, with its own copy of the
+tokenizer, so a huge prompt never holds up the engine thread (and so the running streams).
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from pydantic import BaseModel
@@ -39,6 +42,8 @@ from oasiskv.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
 
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 DEFAULT_COMPLETION_TOKENS = 16
+# OpenAI's bound (the offline API takes any finite temperature)
+MAX_TEMPERATURE = 2.0
 
 
 class _EventStream(StreamingResponse):
@@ -111,6 +116,26 @@ class OpenAIServing:
                  vocab_size: int):
         self.engine, self.tokens, self.tokenizer = engine, tokens, tokenizer
         self.model_name, self.vocab_size = model_name, vocab_size
+        # the tokenizer thread's own copy (fast tokenizers must not be shared between threads)
+        self._encoder = copy.deepcopy(tokenizer)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="oasiskv-tokenize")
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _prompt_ids(self, prompts: list[str | list[int]],
+                          max_tokens: int | None) -> list[list[int]]:
+        """Token ids of ``prompts``, checked for the engine (``AsyncEngine.check_prompts``), from
+        the tokenizer thread."""
+        def encode() -> list[list[int]]:
+            if self._encoder is None and any(isinstance(p, str) for p in prompts):
+                raise APIError(400, "this model has no tokenizer: send prompts as token ids",
+                               param="prompt")
+            ids = [self._encoder.encode(p, add_special_tokens=True) if isinstance(p, str)
+                   else p for p in prompts]
+            self.engine.check_prompts(ids, max_tokens)
+            return ids
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, encode)
 
     # ---- shared checks -------------------------------------------------------------------------
     def _check(self, req: SamplingRequest) -> int:
@@ -136,8 +161,12 @@ class OpenAIServing:
 
         # Bounds SamplingParams.validate lacks: the engine turns these into int64 tensors /
         # generator seeds mid-step, where an overflow fails the whole batch.
-        if req.seed is not None and not 0 <= req.seed < 2**63:
-            raise APIError(400, f"seed must be in [0, 2**63), got {req.seed}", param="seed")
+        if req.seed is not None and not 0 <= req.seed <= 2**63 - n:  # choice j samples seed + j
+            raise APIError(400, f"seed must be in [0, 2**63 - n] (choice j uses seed + j), got "
+                                f"{req.seed}", param="seed")
+        if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+            raise APIError(400, f"temperature must be in [0, {MAX_TEMPERATURE}], got "
+                                f"{req.temperature}", param="temperature")
         top_k = given(req.top_k, 0)
         if top_k >= self.vocab_size:
             top_k = 0  # keeps every token, as 0 does
@@ -163,7 +192,8 @@ class OpenAIServing:
         if max_tokens < 0:
             raise APIError(400, f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
         params = self._params(req, n, req.logprobs, req.logprobs if req.echo else None)
-        handle = await self.engine.submit(prompts, params, max_tokens)
+        handle = await self.engine.submit(await self._prompt_ids(prompts, max_tokens), params,
+                                          max_tokens)
         job = _CompletionJob(self, req, n, max_tokens, handle, prompts, f"cmpl-{uuid.uuid4().hex}")
         if req.stream:
             return _EventStream(job.chunks(), handle)
@@ -191,7 +221,9 @@ class OpenAIServing:
             raise APIError(400, f"top_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got "
                                 f"{req.top_logprobs}", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        handle = await self.engine.submit([prompt], self._params(req, n, logprobs), max_tokens)
+        params = self._params(req, n, logprobs)
+        handle = await self.engine.submit(await self._prompt_ids([prompt], max_tokens), params,
+                                          max_tokens)
         job = _ChatJob(self, req, n, handle, f"chatcmpl-{uuid.uuid4().hex}")
         if req.stream:
             return _EventStream(job.chunks(), handle)

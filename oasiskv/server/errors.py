@@ -9,8 +9,8 @@ from __future__ import annotations
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    405: "invalid_request_error", 422: "invalid_request_error", 500: "server_error",
-    503: "service_unavailable",
+    405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+    500: "server_error", 503: "service_unavailable",
 }
 
 
@@ -19,9 +19,10 @@ class APIError(Exception):
     (``param``) and a machine-readable ``code``."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}  #: HTTP headers of the answer (Retry-After, Allow, ...)
 
     @property
     def type(self) -> str:

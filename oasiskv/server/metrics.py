@@ -67,6 +67,14 @@ class Metrics:
         self.finished = Counter("oasiskv_requests_finished",
                                 "Engine requests finished, by finish reason",
                                 ["finish_reason"], registry=self.registry)
+        self.unfinished = Counter("oasiskv_requests_unfinished",
+                                  "Engine requests that ended without finishing: aborted (the "
+                                  "client went away) or error", ["reason"], registry=self.registry)
+
+    def observe_unfinished(self, why: str, count: int) -> None:
+        """Engine requests that ended without finishing: ``aborted`` (the client went away) or
+        ``error`` (failed inside the engine)."""
+        self.unfinished.labels(why).inc(count)
 
     def observe(self, out: RequestOutput) -> None:
         """Record a finished request (times are the engine's monotonic clock)."""

@@ -12,11 +12,36 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+
+def _has_lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode_text(cls, value):
+        """Text fields must be Unicode text: JSON may carry lone UTF-16 surrogates (``"\\ud800"``),
+        which no tokenizer or response can encode (HTTP 400, code ``lone_surrogate``)."""
+        if _has_lone_surrogate(value):
+            raise PydanticCustomError("lone_surrogate",
+                                      "contains a lone UTF-16 surrogate, which is not Unicode text")
+        return value
 
 
 class StreamOptions(_Request):

@@ -58,7 +58,7 @@ def test_waiting_queue_bound_answers_503(limited):
     for r in responses:
         if r.status_code == 503:
             error = assert_openai_error(r, 503)
-            assert "overloaded" in error["message"]
+            assert "overloaded" in error["message"] and int(r.headers["retry-after"]) >= 1
         else:
             assert r.json()["usage"]["completion_tokens"] == 400
     limited.wait_idle()
