@@ -72,26 +72,42 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+DESCRIPTION = ("OasisKV: an LLM inference engine and OpenAI-compatible server with tiered KV "
+               "(full KV in host memory, per-head working sets in HBM). Commands: generate, "
+               "serve, bench, eval; 'oasiskv COMMAND --help' lists each one's flags.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oasiskv", description=__doc__)
+    parser = argparse.ArgumentParser(prog="oasiskv", description=DESCRIPTION)
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    # the same flag after the command too (it then wins)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS,
+                        help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    gen = sub.add_parser("generate", parents=[common],
+                         help="generate text for one prompt, streamed to the terminal")
     add_engine_flags(gen)
-    gen.add_argument("--prompt", default="import numpy as np\n\n\ndef ", help="prompt text")
+    gen.add_argument("--prompt", default="import numpy as np\n\n\ndef ",
+                     help="prompt text (default: the start of a Python file)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user chat message")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=64,
+                     help="tokens to generate (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 = greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling mass; 1 = off (default: 1)")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample among the k likeliest tokens; 0 = off (default: 0)")
     gen.add_argument("--sampling-seed", type=int, default=None,
-                     help="seed of this request's sampling")
-    gen.add_argument("--ignore-eos", action="store_true")
+                     help="seed of this request's sampling (default: the engine's generator)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past the end-of-sequence token")
     gen.add_argument("--quiet-prompt", action="store_true", help="do not echo the prompt")
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server")
     add_engine_flags(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
@@ -108,13 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     from oasiskv.bench.decode_sweep import add_bench_flags
-    bench = sub.add_parser("bench",
+    bench = sub.add_parser("bench", parents=[common],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            help="decode throughput sweep (context x concurrency x output length)")
     add_bench_flags(bench)
     bench.set_defaults(func=cmd_bench)
 
     from oasiskv.bench.fidelity import add_eval_flags
-    ev = sub.add_parser("eval",
+    ev = sub.add_parser("eval", parents=[common],
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                         help="fidelity of tiered (oasis) decode vs dense: loss and top-1 agreement")
     add_eval_flags(ev)
     ev.set_defaults(func=cmd_eval)
@@ -126,9 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:  # the user's input
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, MemoryError) as exc:  # e.g. storage that does not fit this machine
+        logging.getLogger("oasiskv").debug("the failure in full", exc_info=True)
+        print(f"error: {exc or type(exc).__name__} (--log-level DEBUG shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from oasiskv.bench.decode_sweep import add_bench_flags, config_from_args, make_engine
+from oasiskv.bench.decode_sweep import (add_bench_flags, config_from_args, fit_defaults,
+                                        make_engine)
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
 
@@ -167,6 +168,7 @@ def main() -> None:
         sys.exit("profile_decode.py takes one --context-lens and one --concurrency (numbers)")
     phases = 2 if args.compare_prefetch_off else 1
     args.output_lens = str(phases * (args.timed_steps + args.profile_steps + 5) + 2)
+    fit_defaults(args)
     config = config_from_args(args)
     engine = make_engine(config, args.emulated_host_gib)  # as served: no stall clock marks
     params = SamplingParams(max_tokens=int(args.output_lens), temperature=0.0, ignore_eos=True)

@@ -86,9 +86,11 @@ class SparseBackend(AttentionBackend):
         # one working set more than the slots handed out: the scratch slot of graph padding rows
         slots = min(self.config.max_num_seqs, (budget - fixed) // per_seq - 1)
         if slots < 1:
-            raise RuntimeError(f"no HBM left for two working sets ({per_seq / 2**20:.0f} MiB each, "
-                               f"drafter included) after {fixed / 2**30:.2f} GiB of summaries and "
-                               f"drafter: lower host_kv_gib or topk_blocks")
+            where = ("HBM" if budget_bytes is not None
+                     else f"of the {CPU_HBM_BYTES >> 30} GiB the tier takes without a GPU")
+            raise RuntimeError(f"no room {where} for two working sets ({per_seq / 2**20:.0f} MiB "
+                               f"each, drafter included) after {fixed / 2**30:.2f} GiB of block "
+                               f"summaries and drafter: lower --host-kv-gib or --topk-blocks")
         kv.allocate(host, int(slots) + 1)
         self.retrieval.allocate(self.config.max_num_seqs)
         if drafter:

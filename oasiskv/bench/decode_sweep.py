@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -61,11 +62,13 @@ def _ints(text: str) -> list[str]:
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default="qwen3-8b",
+    parser.add_argument("model", nargs="?", default=None,
                         help="bench preset (qwen3-8b, qwen3-32b, llama-3.1-8b, qwen3-tiny) with "
-                             "random weights, or a checkpoint folder")
-    parser.add_argument("--context-lens", default="16384,32768",
-                        help="prompt lengths, comma separated")
+                             "random weights, or a checkpoint folder; default: qwen3-8b with a "
+                             "GPU, qwen3-tiny without")
+    parser.add_argument("--context-lens", default=None,
+                        help="prompt lengths, comma separated; default: 16384,32768 with a GPU, "
+                             "256,512 without")
     parser.add_argument("--concurrency", default="1,8,max",
                         help="requests per point; 'max' = the most that fit in the KV pool")
     parser.add_argument("--output-lens", default="128", help="generated tokens per request")
@@ -129,7 +132,35 @@ def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0,
     return LLMEngine(config, backend_factory=oasis_backend(probes))
 
 
+def fit_defaults(args: argparse.Namespace) -> None:
+    """Fill the model and context lengths left unset for the device, and refuse at once (ValueError
+    with the reason) a random-weight preset whose weights this machine's memory cannot hold."""
+    from oasiskv.engine.model_runner import resolve_device
+    cuda = resolve_device(args.device).type == "cuda"
+    if args.model is None:
+        args.model = "qwen3-8b" if cuda else "qwen3-tiny"
+    if args.context_lens is None:
+        args.context_lens = "16384,32768" if cuda else "256,512"
+    from oasiskv.models.loader import preset_names
+    if cuda or args.model not in preset_names():
+        return
+    from oasiskv.config import ModelConfig
+    from oasiskv.models.loader import resolve_model_path
+    cfg = ModelConfig.from_file(resolve_model_path(args.model) / "config.json")
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    params = (cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+              + cfg.num_layers * (h * (cfg.num_heads * cfg.head_dim * 2 + 2 * kv)
+                                  + 3 * h * cfg.intermediate_size))
+    need = 4 * params  # float32 on a CPU
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > 0.8 * ram:
+        raise ValueError(f"{args.model} has {params / 1e9:.1f}B parameters: {need / 2**30:.0f} GiB "
+                         f"of float32 weights on this CPU ({ram / 2**30:.0f} GiB of RAM); bench "
+                         f"qwen3-tiny here, or qwen3-8b on a GPU")
+
+
 def run_from_args(args: argparse.Namespace) -> int:
+    fit_defaults(args)
     contexts = [int(c) for c in _ints(args.context_lens)]
     outputs = [int(o) for o in _ints(args.output_lens)]
     concurrencies = _ints(args.concurrency)

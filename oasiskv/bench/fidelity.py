@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from oasiskv.bench.harness import oasis_backend
 from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
@@ -159,16 +160,20 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
     nll, greedy = {rid: [] for rid in forced}, {rid: [] for rid in forced}
     hits = tries = 0
     fill = CapFill()
+    progress = tqdm(total=last * len(wins), desc=setting[:40], unit="tok", file=sys.stderr,
+                    mininterval=2.0)
     while engine.has_unfinished():
         outs = engine.step({rid: tokens[len(nll[rid])] for rid, tokens in forced.items()
                             if len(nll[rid]) < last})
         for out in outs:
+            progress.update(len(out.new_logprobs))
             for lp in out.new_logprobs:
                 nll[out.request_id].append(-lp.logprob)
                 greedy[out.request_id].append(lp.top[0][0])
         hits += engine.stats.kv.get("draft_hits", 0)
         tries += engine.stats.kv.get("draft_guesses", 0)
         fill.add(engine.stats)
+    progress.close()
     losses = [x for rid in forced for x in nll[rid]]
     return Run(setting, sum(losses) / len(losses), [greedy[rid] for rid in forced],
                hits / tries if tries else None, cap_fill=fill.summary())

@@ -110,7 +110,8 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError(f"model {self.model_path} has no tokenizer: pass prompt token ids "
                              f"instead of text")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        # (no warning for text past the tokenizer's nominal length: the engine checks its own limit)
+        return self.tokenizer.encode(prompt, add_special_tokens=True, verbose=False)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:

@@ -31,7 +31,12 @@ class HostStore:
         shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
                  layout.head_dim)
         #: FP8 storage: float32 ``(k_scale, v_scale)`` ``[num_blocks, num_layers, Hk, B]``
-        self.k, self.v, self.scales = empty_kv(shape, layout.storage_dtype)
+        try:
+            self.k, self.v, self.scales = empty_kv(shape, layout.storage_dtype)
+        except (RuntimeError, MemoryError):
+            gib = num_blocks * layout.host_block_bytes / 2**30
+            raise RuntimeError(f"cannot allocate the host store ({gib:.1f} GiB, --host-kv-gib) in "
+                               f"this machine's memory: lower --host-kv-gib") from None
         tensors = [self.k, self.v, *(self.scales or ())]
         if pin:
             for t in tensors:
