@@ -79,9 +79,10 @@ class SparseBackend(AttentionBackend):
         host = kv.make_host_store()
         max_len = min(self._max_len, host.num_blocks * lay.block_size)
         drafter = self.lookahead.drafter if self.lookahead else None
-        per_seq = lay.working_set_bytes + (drafter.bytes_per_seq(max_len) if drafter else 0)
-        fixed = (host.num_blocks * lay.summary_bytes_per_block
-                 + (drafter.fixed_bytes() if drafter else 0))
+        drafter_per_seq = drafter.bytes_per_seq(max_len) if drafter else 0
+        drafter_fixed = drafter.fixed_bytes() if drafter else 0
+        summary_bytes = host.num_blocks * lay.summary_bytes_per_block
+        per_seq, fixed = lay.working_set_bytes + drafter_per_seq, summary_bytes + drafter_fixed
         budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes
         # one working set more than the slots handed out: the scratch slot of graph padding rows
         slots = min(self.config.max_num_seqs, (budget - fixed) // per_seq - 1)
@@ -99,9 +100,8 @@ class SparseBackend(AttentionBackend):
                     "(%.2f GiB HBM, drafter %.2f GiB), summaries %.2f GiB HBM, fetch cap %d "
                     "blocks/head/layer/step", host.num_blocks, host.num_blocks * lay.block_size,
                     slots, lay.topk_blocks, slots * lay.working_set_bytes / 2**30,
-                    (slots * (per_seq - lay.working_set_bytes) + fixed
-                     - host.num_blocks * lay.summary_bytes_per_block) / 2**30,
-                    host.num_blocks * lay.summary_bytes_per_block / 2**30, kv.cap)
+                    (slots * drafter_per_seq + drafter_fixed) / 2**30, summary_bytes / 2**30,
+                    kv.cap)
 
     def make_allocator(self) -> TieredAllocator:
         self.allocator = TieredAllocator(self.kv.host.num_blocks, self._padding_slot,
@@ -175,7 +175,7 @@ class SparseBackend(AttentionBackend):
         counters["cap_slots"] = (self.kv.cap * lay.num_kv_heads * lay.num_layers
                                  * counters["decode_rows"])
         if self.lookahead is not None:
-            self.lookahead.advance(batch, self._last_aux(batch))
+            self.lookahead.advance(batch, self._last_aux())
             counters.update(self.lookahead.take_counts())
         alloc = self.allocator
         used_slots = alloc.num_seq_slots - len(alloc.free_slots)
@@ -188,7 +188,7 @@ class SparseBackend(AttentionBackend):
             + self.kv.host.num_blocks * lay.summary_bytes_per_block}
         return StepStats(counters, gauges, {"fetched_blocks": per_layer["fetched_blocks"]})
 
-    def _last_aux(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
+    def _last_aux(self) -> dict[int, torch.Tensor]:
         """The features the drafter reads: from the replayed graph's static meta, else this
         step's."""
         step = self._replayed if self._replayed is not None else self._eager
