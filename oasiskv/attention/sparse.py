@@ -174,6 +174,9 @@ class SparseBackend(AttentionBackend):
         # the most blocks the fetch cap lets this step admit: the cap per (row, layer, kv head)
         counters["cap_slots"] = (self.kv.cap * lay.num_kv_heads * lay.num_layers
                                  * counters["decode_rows"])
+        for budget, count in self.allocator.refused.items():
+            counters[f"admissions_refused_{budget}"] = count
+            self.allocator.refused[budget] = 0
         if self.lookahead is not None:
             self.lookahead.advance(batch, self._last_aux())
             counters.update(self.lookahead.take_counts())

@@ -68,6 +68,7 @@ class EngineStats:
     kv: dict = field(default_factory=dict)
     kv_totals: dict = field(default_factory=dict)  # its counters summed over all steps
     kv_per_layer: dict = field(default_factory=dict)  # the backend's per-layer counts, last step
+    kv_per_layer_totals: dict = field(default_factory=dict)  # those summed over all steps
 
 
 @dataclass
@@ -270,6 +271,9 @@ class LLMEngine:
             s.prompt_tokens_total += sum(batch.num_tokens)
         s.generation_tokens_total += num_sampled
         s.kv, s.kv_per_layer = {**kv.counters, **kv.gauges}, kv.per_layer
+        for key, values in kv.per_layer.items():
+            totals = s.kv_per_layer_totals.setdefault(key, [0] * len(values))
+            s.kv_per_layer_totals[key] = [a + b for a, b in zip(totals, values)]
         for key, value in kv.counters.items():
             s.kv_totals[key] = s.kv_totals.get(key, 0) + value
         self._update_queue_stats()

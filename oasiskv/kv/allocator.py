@@ -25,6 +25,9 @@ class TieredAllocator(KVAllocator):
         self.num_seq_slots = num_seq_slots
         self.slot_of: dict[int, int] = {}  #: seq id -> working-set slot
         self.on_free = on_free
+        #: admissions of a new sequence refused, by the budget that refused them (a waiting request
+        #: is refused again at every step until it fits); read and reset by the backend
+        self.refused = {"host_blocks": 0, "working_set_slots": 0}
 
     @property
     def num_total_blocks(self) -> int:
@@ -35,17 +38,23 @@ class TieredAllocator(KVAllocator):
         return len(self.free_blocks)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needs_slot = seq.seq_id not in self.slot_of
-        return self.blocks_to_add(seq, num_new_tokens) <= len(self.free_blocks) and (
-            not needs_slot or bool(self.free_slots))
+        fits = self._fits(seq, num_new_tokens)
+        if not fits and seq.seq_id not in self.slot_of:  # a new sequence refused: by which budget
+            short = self.blocks_to_add(seq, num_new_tokens) > len(self.free_blocks)
+            self.refused["host_blocks" if short else "working_set_slots"] += 1
+        return fits
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        if not self.can_allocate(seq, num_new_tokens):
+        if not self._fits(seq, num_new_tokens):
             raise RuntimeError("tiered KV exhausted: no host blocks or no working-set slot")
         if seq.seq_id not in self.slot_of:
             self.slot_of[seq.seq_id] = self.free_slots.pop()
         for _ in range(self.blocks_to_add(seq, num_new_tokens)):
             seq.block_table.append(self.free_blocks.pop())
+
+    def _fits(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_to_add(seq, num_new_tokens) <= len(self.free_blocks) and (
+            seq.seq_id in self.slot_of or bool(self.free_slots))
 
     def free(self, seq: Sequence) -> None:
         self.free_blocks.extend(reversed(seq.block_table))

@@ -50,6 +50,12 @@ class _EngineCollector:
         for key, value in s.kv_totals.items():
             yield CounterMetricFamily(f"oasiskv_kv_{key}", f"Tiered KV, all steps: {key}",
                                       value=value)
+        for key, values in s.kv_per_layer_totals.items():
+            family = CounterMetricFamily(f"oasiskv_kv_layer_{key}",
+                                         f"Tiered KV, all steps, by layer: {key}", labels=["layer"])
+            for layer, value in enumerate(values):
+                family.add_metric([str(layer)], value)
+            yield family
 
 
 class Metrics:

@@ -151,6 +151,9 @@ def test_admission_respects_both_budgets(tiny):
         assert sum(len(s.block_table) for s in running) <= blocks and len(running) <= 3
         engine.allocator.check_invariants(running)
     assert peak == 2, "the host budget, not max_num_seqs, bounded the batch"
+    totals = engine.stats.kv_totals
+    assert totals["admissions_refused_host_blocks"] > 0
+    assert totals["admissions_refused_working_set_slots"] == 0
 
 
 def test_sampler_and_stats_on_cpu_do_not_need_cuda(tiny):
