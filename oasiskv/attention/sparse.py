@@ -220,9 +220,7 @@ class SparseBackend(AttentionBackend):
         self.retrieval.end_capture(bucket)
 
     def prepare_replay(self, meta: TierStep, num_seqs: int, bucket: int) -> bool:
-        drafts = 0 if meta.draft_of is None else meta.draft_of.shape[0]
-        if drafts != (self.rows_per_seq - 1) * num_seqs:
-            return False
+        # (the graph runner replays a step only with rows_per_seq - 1 draft rows per sequence)
         static = self._statics[bucket]
         static.slots[:num_seqs].copy_(meta.slots)
         static.slots[num_seqs:].fill_(self._padding_slot)

@@ -235,8 +235,7 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         self.requests[seq.request_id].error = message
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "error")
+        self.scheduler.finish(seq, "error")
         return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -64,6 +64,9 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor
     return values.float() if scale is None else values.float() * scale[..., None]
 
 
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+
+
 def check_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.Tensor,
                  device: torch.device):
     """The (k, v) scale tensors a kernel running on ``device`` gets for ``cache`` ``[..., D]``: the
@@ -71,8 +74,10 @@ def check_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.
     on ``device`` never read."""
     if scales is None:
         assert cache.dtype != FP8, "an FP8 cache needs its scales"
-        placeholder = torch.empty((1,) * (cache.dim() - 1), dtype=torch.float32, device=device)
-        return placeholder, placeholder
+        key = (torch.device(device), cache.dim() - 1)
+        if key not in _PLACEHOLDERS:  # made once (a decode step's kernels each need one)
+            _PLACEHOLDERS[key] = torch.empty((1,) * key[1], dtype=torch.float32, device=device)
+        return _PLACEHOLDERS[key], _PLACEHOLDERS[key]
     assert cache.dtype == FP8, f"scales given for a {cache.dtype} cache"
     for s in scales:
         assert s.dtype == torch.float32 and s.shape == cache.shape[:-1] and s.stride(-1) == 1, (

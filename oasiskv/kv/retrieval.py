@@ -1,6 +1,7 @@
 """Retrieval: where and when a decode step chooses and fetches each head's working set.
 
-Both classes answer the same calls, made by the sparse backend for each layer of a decode step:
+Both answer the calls of ``Retrieval`` (each a no-op there), made by the sparse backend for each
+layer of a decode step:
 ``claim(layer)`` before the layer touches its working set (prefill too), ``before_attention`` and
 ``after_attention`` around sparse attention; per step ``finish()`` once the step's tokens are read;
 and the graph hooks ``begin_capture`` / ``end_capture(bucket)`` / ``replaying(bucket)``.
@@ -22,16 +23,40 @@ from oasiskv.kv.prefetch import PrefetchPipeline, Tail
 from oasiskv.kv.tiered import TieredKV
 
 
-class SyncRetrieval:
+class Retrieval:
+    """The calls; ``active`` is False with ``prefetch=off``."""
+
     def __init__(self, kv: TieredKV, prefetch: str):
         self.kv, self.active = kv, prefetch != "off"
 
     def allocate(self, max_seqs: int) -> None:
-        pass
+        """Storage for up to ``max_seqs`` sequences per step (with the tier's)."""
 
     def claim(self, layer: int) -> None:
-        pass
+        """``layer``'s working set is about to be used (decode or prefill)."""
 
+    def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
+                         tables: torch.Tensor, pos: torch.Tensor) -> None:
+        """Decode rows ``q`` ``[N, Hq, D]`` at positions ``pos`` are about to attend."""
+
+    def after_attention(self, layer: int, q_next: torch.Tensor, slots: torch.Tensor,
+                        tables: torch.Tensor, pos: torch.Tensor) -> None:
+        """They attended; ``q_next`` predicts each row's query at the next step."""
+
+    def finish(self) -> None:
+        """The step's tokens are read."""
+
+    def begin_capture(self) -> None:
+        """Before a graph capture."""
+
+    def end_capture(self, bucket: int) -> None:
+        """After the capture of ``bucket``."""
+
+    def replaying(self, bucket: int) -> None:
+        """``bucket``'s graph replays this step."""
+
+
+class SyncRetrieval(Retrieval):
     def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
                          tables: torch.Tensor, pos: torch.Tensor) -> None:
         complete = pos // self.kv.layout.block_size
@@ -42,26 +67,10 @@ class SyncRetrieval:
             self.kv.retrieve(layer, q, slots, tables, complete,
                              notify="current" if self.kv.probes.observers else None)
 
-    def after_attention(self, layer: int, q_next: torch.Tensor, slots: torch.Tensor,
-                        tables: torch.Tensor, pos: torch.Tensor) -> None:
-        pass
 
-    def finish(self) -> None:
-        pass
-
-    def begin_capture(self) -> None:
-        pass
-
-    def end_capture(self, bucket: int) -> None:
-        pass
-
-    def replaying(self, bucket: int) -> None:
-        pass
-
-
-class LookaheadRetrieval:
+class LookaheadRetrieval(Retrieval):
     def __init__(self, kv: TieredKV, prefetch: str, num_layers: int):
-        self.kv, self.active = kv, prefetch != "off"
+        super().__init__(kv, prefetch)
         probes = kv.probes
         self.pipeline = PrefetchPipeline(num_layers, kv.device, prefetch == "async", probes.stall,
                                          probes.before_copy)
