@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
-# Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [gather] [profile] [profile-oasis]
-#        [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated] [compare] [fp8-bench]
+# Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
+#        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
+#        [compare] [fp8-bench]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -17,6 +18,7 @@ export OASISKV_FIXTURES=${OASISKV_FIXTURES:-$PWD/.fixtures/pycode-19m}
 stages=${*:-tests kernels bench}
 summary=()
 HOST_GIB=${HOST_GIB:-96}
+KV_DTYPE=${KV_DTYPE:-auto}  # --kv-cache-dtype of oasis-real, oasis-emulated and profile-oasis
 REAL_LENS=${REAL_LENS:-16384,32768}  # oasis-real: context lengths, and REAL_MODES (default: dense sync ngram)
 bench() {  # name, then bench flags: Qwen3-8B shape, random weights; table to the log, last lines shown
   local name=$1; shift
@@ -49,14 +51,15 @@ for stage in $stages; do
         else
           draft=$mode; [ "$mode" = sync ] && draft=none
           bench "real-$mode" --context-lens "$REAL_LENS" --concurrency max --output-lens 32 \
-            --max-num-seqs "${REAL_MAX_SEQS:-64}" --kv-mode oasis --host-kv-gib "$HOST_GIB" --draft "$draft"
+            --max-num-seqs "${REAL_MAX_SEQS:-64}" --kv-mode oasis --host-kv-gib "$HOST_GIB" --draft "$draft" \
+            --kv-cache-dtype "$KV_DTYPE"
         fi
       done ;;
     oasis-emulated)  # (b): a 700 GiB host emulated over 16 GiB (labelled); summaries stay real: HBM bounds it
       for prefetch in ${EMU_PREFETCH:-async off}; do
         bench "emulated-$prefetch" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
-          --prefetch "$prefetch"
+          --prefetch "$prefetch" --kv-cache-dtype "$KV_DTYPE"
       done ;;
     compare)  # before/after a change: dense 32K x max and the emulated-host point (64 x 32K, ngram,
       # async), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C .before`) and this one,
@@ -72,6 +75,11 @@ for stage in $stages; do
         fi
       done
       export PYTHONPATH=$PWD ;;
+    dense-dtypes)  # dense 32K x max with each KV dtype in DENSE_DTYPES (default: auto fp8)
+      for dt in ${DENSE_DTYPES:-auto fp8}; do
+        bench "dense-$dt" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 128 \
+          --kv-cache-dtype "$dt"
+      done ;;
     fp8-bench)  # bf16 vs FP8 KV: dense 32K x max, and the emulated-host point (64 x 32K, ngram, async)
       for dt in auto fp8; do
         bench "dense-$dt" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 128 \
@@ -85,6 +93,17 @@ for stage in $stages; do
     kernels)
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
       summary+=("kernels: $(tail -1 "$OUT/kernels.log" | cut -c1-300)") ;;
+    kernels-fp8)  # paged decode, bf16 vs FP8 cache, at the dense 32K batches of each (24 / 46);
+      # FP8 also sweeps the launch configs (LAUNCH_SWEEP=1)
+      for dt in ${KERNEL_DTYPES:-auto fp8}; do
+        sweep=""; [ "$dt" = fp8 ] && [ -n "${LAUNCH_SWEEP:-}" ] && sweep=--sweep-launch
+        python3 -m oasiskv.bench.kernels --kv-cache-dtype "$dt" --batches 46,24 --contexts 32768 \
+          $sweep 2>&1 | tee "$OUT/kernels-$dt.log" | grep -v '^{'
+      done
+      summary+=("kernels-fp8: see tables above") ;;
+    scores)  # the summary scan's launch configs
+      python3 -m oasiskv.bench.kernels --scores 2>&1 | tee "$OUT/scores.log" | grep -v '^{'
+      summary+=("scores: see table above") ;;
     bench)
       python3 -m oasiskv.cli --log-level WARNING bench qwen3-8b --context-lens 16384,32768 \
         --concurrency 1,8,16,max --output-lens 64 --engine oasiskv,hf --hf-max-batch 8 \
@@ -100,7 +119,8 @@ for stage in $stages; do
     profile-oasis)  # the oasis-emulated point, prefetch async then off: per-stream kernel time
       python3 scripts/profile_decode.py qwen3-8b --context-lens 32768 --concurrency "${EMU_CONC:-64}" \
         --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
-        --compare-prefetch-off 2>&1 | tee "$OUT/profile_oasis.log" | grep -v '^{'
+        --kv-cache-dtype "$KV_DTYPE" --compare-prefetch-off --python-top "${PYTHON_TOP:-0}" 2>&1 | tee "$OUT/profile_oasis.log" \
+        | grep -v '^{'
       summary+=("profile-oasis: $(grep -h 'host wall' "$OUT"/profile_oasis.log | tr '\n' ' ')") ;;
     bench-quick)
       python3 -m oasiskv.cli --log-level WARNING bench qwen3-8b --context-lens 4096 --concurrency 1,8 \

@@ -18,8 +18,10 @@ fetch are skipped, the foreground-only baseline; for synchronous retrieval selec
 altogether. GPU only; random weights.
 """
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -103,10 +105,12 @@ def analyse(trace_path: str, steps: int, top: int) -> dict:
             names[e["name"]][0] += e["dur"]
             names[e["name"]][1] += 1
         ranked = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+        frequent = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
         result["streams"][s] = {
             "busy_ms_per_step": _length(busy[s]) / steps / 1e3,
             "kernels_per_step": len(evs) / steps,
-            "top": [(n[:70], t / steps / 1e3, c / steps) for n, (t, c) in ranked]}
+            "top": [(n[:70], t / steps / 1e3, c / steps) for n, (t, c) in ranked],
+            "frequent": [(n[:70], t / steps / 1e3, c / steps) for n, (t, c) in frequent]}
     return result
 
 
@@ -131,9 +135,31 @@ def report(title: str, wall_ms: float, stats: dict) -> None:
               f"{s['kernels_per_step']:.0f} kernels/step")
         for name, ms, count in s["top"]:
             print(f"      {ms:7.3f} ms  x{count:<5.0f} {name}")
+        print("      most launched:")
+        for name, ms, count in s["frequent"]:
+            print(f"      {ms:7.3f} ms  x{count:<5.0f} {name}")
 
 
-def measure(engine: LLMEngine, timed: int, profiled: int, top: int) -> tuple[float, dict]:
+def host_profile(engine: LLMEngine, steps: int, top: int) -> None:
+    """cProfile over ``steps`` more steps: the Python functions the host spends most time in
+    (their own time, ms per step; ``cudaGraphLaunch`` and waits for the GPU show up as the
+    built-in calls that make them)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"   host, Python functions by own time (ms/step, {steps} steps under cProfile):")
+    for (path, line, name), (_, calls, own, total, _) in rows:
+        print(f"      {own / steps * 1e3:7.3f} own {total / steps * 1e3:7.3f} total "
+              f"x{calls / steps:<6.0f} {os.path.basename(path)}:{line} {name}")
+
+
+def measure(engine: LLMEngine, timed: int, profiled: int, top: int,
+            python_top: int = 0) -> tuple[float, dict]:
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
@@ -141,6 +167,8 @@ def measure(engine: LLMEngine, timed: int, profiled: int, top: int) -> tuple[flo
     for _ in range(timed):
         engine.step()
     wall_ms = (time.perf_counter() - t0) / timed * 1e3
+    if python_top:
+        host_profile(engine, timed, python_top)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(profiled):
             engine.step()
@@ -159,6 +187,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=8, help="kernels listed per stream")
     parser.add_argument("--compare-prefetch-off", action="store_true")
+    parser.add_argument("--python-top", type=int, default=0,
+                        help="also list this many Python functions by host time (cProfile)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA GPU")
@@ -167,7 +197,8 @@ def main() -> None:
     except ValueError:
         sys.exit("profile_decode.py takes one --context-lens and one --concurrency (numbers)")
     phases = 2 if args.compare_prefetch_off else 1
-    args.output_lens = str(phases * (args.timed_steps + args.profile_steps + 5) + 2)
+    timed = args.timed_steps * (2 if args.python_top else 1)
+    args.output_lens = str(phases * (timed + args.profile_steps + 5) + 2)
     fit_defaults(args)
     config = config_from_args(args)
     engine = make_engine(config, args.emulated_host_gib)  # as served: no stall clock marks
@@ -181,7 +212,7 @@ def main() -> None:
           f"draft={config.tier.draft!r} "
           f"prefetch={config.tier.prefetch} graphs={engine.runner.graphs is not None}; prefill "
           f"{time.perf_counter() - t0:.1f} s; running {len(engine.scheduler.running)}")
-    wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
+    wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top, args.python_top)
     report(f"prefetch={config.tier.prefetch}", wall, stats)
     result = {"config": vars(args),
               "phases": [{"prefetch": config.tier.prefetch, "wall_ms": wall, **stats}]}
@@ -189,7 +220,8 @@ def main() -> None:
         engine.runner.backend.retrieval.active = False  # the same requests, no selection or fetch
         if engine.runner.graphs is not None:
             engine.runner.graphs._capture()
-        wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top)
+        wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top,
+                              args.python_top)
         report("prefetch=off (same requests"
                + (", graphs recaptured)" if engine.runner.graphs else ")"), wall, stats)
         result["phases"].append({"prefetch": "off", "wall_ms": wall, **stats})

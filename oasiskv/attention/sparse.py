@@ -147,21 +147,26 @@ class SparseBackend(AttentionBackend):
         if batch.meta is None:  # the warm-up before storage exists
             return prefill_attention(q, k, v, batch, scale, None)
         self.retrieval.claim(layer)
-        self.kv.store(layer, k, v, batch.slot_mapping)
+        step, n = batch.meta, batch.num_seqs  # draft rows follow the n sequence rows
+        if layer == 0:  # the step's index tensors, once per forward (and per graph replay)
+            step.host_slots = self.kv.host.physical_slots(batch.slot_mapping)
+            if not batch.is_prefill:
+                step.rows = self.kv.decode_rows(step.slots, batch.positions[:n],
+                                                batch.block_tables, batch.context_lens > 0)
+        self.kv.store(layer, k, v, step.host_slots)
         if batch.is_prefill:
             return self.kv.prefill(layer, q, k, v, batch, scale)
         return self._decode(layer, q, k, v, batch, scale)
 
     def _decode(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        kv, step, n = self.kv, batch.meta, batch.num_seqs  # draft rows follow the n sequence rows
-        slots, pos, tables = step.slots.long(), batch.positions[:n], batch.block_tables
-        kv.store_local(layer, k[:n], v[:n], slots, pos)
-        self.retrieval.before_attention(layer, q[:n], slots, tables, pos)
-        out = kv.attend(layer, q, k, v, step, pos, scale)
-        kv.complete_local_blocks(layer, slots, pos, tables, batch.context_lens > 0)
+        kv, step, n, tables = self.kv, batch.meta, batch.num_seqs, batch.block_tables
+        kv.store_local(layer, k[:n], v[:n], step.rows)
+        self.retrieval.before_attention(layer, q[:n], step.rows, tables)
+        out = kv.attend(layer, q, k, v, step, scale)
+        kv.complete_local_blocks(layer, step.rows)
         # step t+1's working set: chosen by the draft rows' queries (the real ones where no guess)
         q_next = q[:n] if step.draft_of is None else q[:n].index_copy(0, step.draft_of, q[n:])
-        self.retrieval.after_attention(layer, q_next, slots, tables, pos)
+        self.retrieval.after_attention(layer, q_next, step.rows, tables)
         return out
 
     def finish(self, batch: ScheduledBatch) -> StepStats:

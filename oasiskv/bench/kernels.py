@@ -1,13 +1,21 @@
-"""Micro-benchmark of ``paged_decode_attention`` against torch SDPA on contiguous KV (GPU only).
+"""Micro-benchmarks of decode-side kernels (GPU only).
 
-Run ``python -m oasiskv.bench.kernels``. Shape: Qwen3-8B attention (32 q heads, 8 kv heads, head_dim
-128, bf16, block 16), batch 1/8/32/64 x context 4K/16K/32K (all rows the full context; combos whose
-paged cache plus its contiguous copy would exceed ``_MAX_BYTES`` are skipped). Times are medians
-from ``triton.testing.do_bench`` over a CUDA-graph replay of one call (the engine captures decode in
-graphs; eager timing of small cases would measure Python launch cost); GB/s counts the K+V bytes
-attended. Each point also sweeps forced split counts (best s) to check the split heuristic. Prints a
-table (with the measured wave size), then one JSON line.
+``python -m oasiskv.bench.kernels [--kv-cache-dtype auto|fp8] [--batches 8,24] [--contexts 32768]``:
+``paged_decode_attention`` against torch SDPA on contiguous KV. Shape: Qwen3-8B attention (32 q
+heads, 8 kv heads, head_dim 128, bf16 queries, block 16), batch 1/8/24/32/48/64 x context
+4K/16K/32K (all rows the full context; combos whose paged cache plus its contiguous copy would
+exceed ``_MAX_BYTES`` are skipped). ``fp8``: the cache is FP8 with per-row scales (SDPA still reads
+the bf16 original). Times are medians from ``triton.testing.do_bench`` over a CUDA-graph replay of
+one call (the engine captures decode in graphs; eager timing of small cases would measure Python
+launch cost); GB/s counts the K+V bytes attended (FP8: values and scales). Each point also sweeps
+forced split counts (best s) to check the split heuristic. Prints a table (with the measured wave
+size), then one JSON line.
+
+``python -m oasiskv.bench.kernels --scores``: ``block_scores`` (the summary scan of tiered decode)
+at 128 rows x 32K (2,048 blocks each, 8 kv heads, bf16 summaries, one layer), for each launch
+config (block-table entries x warps per program); GB/s counts the summary bytes read.
 """
+import argparse
 import json
 import math
 import sys
@@ -37,8 +45,13 @@ def _graph_median_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, return_mode="median")
 
 
-def _bench_one(batch: int, context: int) -> dict:
+# (tokens per iteration, warps, stages) tried at the first point with --sweep-launch
+LAUNCHES = [(t, w, s) for t in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def _bench_one(batch: int, context: int, fp8: bool, sweep_launch: bool = False) -> dict:
     """Time one (batch, context) point; returns ms and GB/s for the kernel and SDPA."""
+    from oasiskv.kernels.fp8 import quantize_rows, row_bytes
     from oasiskv.kernels.paged_decode import default_num_splits, paged_decode_attention
 
     dev = torch.device("cuda")
@@ -52,16 +65,27 @@ def _bench_one(batch: int, context: int) -> dict:
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(HEAD_DIM)
+    stored, scales = (k_cache, v_cache), None
+    if fp8:
+        (kq, ks), (vq, vs) = quantize_rows(k_cache), quantize_rows(v_cache)
+        stored, scales = (kq, vq), (ks, vs)
 
-    ms = _graph_median_ms(lambda: paged_decode_attention(
-        q, k_cache, v_cache, tables, lens, scale, out=out))  # noqa: F821
+    def attend(**kw):
+        return paged_decode_attention(q, *stored, tables, lens, scale, out=out,  # noqa: F821
+                                      scales=scales, **kw)  # noqa: F821
+
+    ms = _graph_median_ms(attend)
     from oasiskv.kernels.paged_decode import _waves
     wave = next(iter(_waves.values()), None)
-    sweep = {s: _graph_median_ms(lambda s=s: paged_decode_attention(
-                 q, k_cache, v_cache, tables, lens, scale, out=out, num_splits=s))  # noqa: F821
+    sweep = {s: _graph_median_ms(lambda s=s: attend(num_splits=s))
              for s in SWEEP_SPLITS
              if s <= blocks_per_row * BLOCK_SIZE // 256 and context == SWEEP_CONTEXT}
     best = min(sweep, key=sweep.get) if sweep else 1
+    launches = {}
+    if sweep_launch:
+        for launch in LAUNCHES:
+            launches[launch] = _graph_median_ms(lambda launch=launch: attend(launch=launch))
+            print(f"   launch {launch}: {launches[launch]:.4f} ms", flush=True)
 
     # The same KV gathered contiguous: [B, kv_heads, T, D]; SDPA broadcasts kv heads over q heads
     # (GQA).
@@ -70,36 +94,90 @@ def _bench_one(batch: int, context: int) -> dict:
                                                             HEAD_DIM)
 
     k, v = contiguous(k_cache), contiguous(v_cache)
-    del k_cache, v_cache
+    del k_cache, v_cache, stored, scales  # the closure's cells too: SDPA's copies need room
     q4 = q.unsqueeze(2)
     sdpa_ms = _graph_median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale,
                                                                       enable_gqa=True))
 
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * q.element_size()
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * row_bytes(
+        HEAD_DIM, torch.float8_e4m3fn if fp8 else DTYPE)
+    sdpa_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * q.element_size()
     return {"batch": batch, "context": context,
             "splits": default_num_splits(batch, NUM_KV_HEADS, blocks_per_row, BLOCK_SIZE,
                                          wave or 512),
             "wave": wave, "best_splits": best if sweep else None,
             "best_gbps": kv_bytes / sweep.get(best, ms) / 1e6,
             "ms": ms, "gbps": kv_bytes / ms / 1e6, "sdpa_ms": sdpa_ms,
-            "sdpa_gbps": kv_bytes / sdpa_ms / 1e6}
+            "launches": {str(k): kv_bytes / v / 1e6 for k, v in launches.items()},
+            "sdpa_gbps": sdpa_bytes / sdpa_ms / 1e6}
+
+
+SCORE_ROWS, SCORE_BLOCKS = 128, 2048
+# (block-table entries per tile, tiles per program, warps, stages)
+SCORE_CONFIGS = ([(b, 1, w, 1) for b in (32, 64, 128) for w in (2, 4, 8)]
+                 + [(b, t, w, s) for b in (16, 32, 64) for t in (4, 16) for w in (2, 4)
+                    for s in (2, 3)])
+
+
+def bench_scores() -> dict:
+    """``block_scores`` launch configs at SCORE_ROWS x SCORE_BLOCKS blocks (one layer)."""
+    from oasiskv.kernels import block_scores as scan
+
+    dev = torch.device("cuda")
+    n, m = SCORE_ROWS, SCORE_BLOCKS
+    summaries = torch.randn(n * m, NUM_KV_HEADS, 2, HEAD_DIM, dtype=DTYPE, device=dev)
+    tables = torch.randperm(n * m, device=dev).to(torch.int32).view(n, m)
+    num_blocks = torch.full((n,), m, dtype=torch.int32, device=dev)
+    q = torch.randn(n, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    out = torch.empty(n, NUM_KV_HEADS, m, dtype=torch.float32, device=dev)
+    read = summaries.numel() * summaries.element_size()
+    print(f"block_scores: {n} rows x {m} blocks, {NUM_KV_HEADS} kv heads, bf16 summaries "
+          f"({read / 1e9:.2f} GB per layer), on {torch.cuda.get_device_name()}")
+    print(f"{'blocks':>6} {'tiles':>5} {'warps':>5} {'stages':>6} {'ms':>8} {'GB/s':>7}")
+    rows = []
+    default = (scan._BLOCK_B, scan._TILES, scan._NUM_WARPS, scan._NUM_STAGES)
+    for config in SCORE_CONFIGS:
+        block_b, tiles, warps, stages = config
+        ms = _graph_median_ms(lambda: scan.block_scores(
+            q, summaries, tables, num_blocks, 1.0, out=out, block_b=block_b, tiles=tiles,
+            num_warps=warps, num_stages=stages))
+        rows.append({"block_b": block_b, "tiles": tiles, "num_warps": warps,
+                     "num_stages": stages, "ms": ms, "gbps": read / ms / 1e6})
+        mark = " (default)" if config == default else ""
+        print(f"{block_b:>6} {tiles:>5} {warps:>5} {stages:>6} {ms:>8.4f} "
+              f"{read / ms / 1e6:>7.0f}{mark}", flush=True)
+    return {"bench": "block_scores", "rows": n, "blocks": m, "results": rows}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--scores", action="store_true", help="the summary-scan benchmark instead")
+    parser.add_argument("--sweep-launch", action="store_true",
+                        help="also time each launch config in LAUNCHES at the first point")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("oasiskv.bench.kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if args.scores:
+        print(json.dumps(bench_scores()))
+        return
+    fp8 = args.kv_cache_dtype == "fp8"
     rows = []
     print(f"paged_decode_attention: {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, head_dim {HEAD_DIM}, "
-          f"bf16, block {BLOCK_SIZE}, on {torch.cuda.get_device_name()}")
+          f"bf16 q, {'FP8' if fp8 else 'bf16'} cache, block {BLOCK_SIZE}, on "
+          f"{torch.cuda.get_device_name()}")
     print(f"{'batch':>5} {'context':>7} {'splits':>6} {'ms':>8} {'GB/s':>7} {'best s':>6} "
           f"{'best GB/s':>9} {'sdpa ms':>8} {'sdpa GB/s':>9}")
-    for batch in BATCHES:
-        for context in CONTEXTS:
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
             cache_bytes = (2 * batch * context * NUM_KV_HEADS * HEAD_DIM
                            * torch.finfo(DTYPE).bits // 8)
             if 2 * cache_bytes > _MAX_BYTES:
                 continue
-            r = _bench_one(batch, context)
+            r = _bench_one(batch, context, fp8, args.sweep_launch and not rows)
             rows.append(r)
             print(f"{batch:>5} {context:>7} {r['splits']:>6} {r['ms']:>8.4f} {r['gbps']:>7.0f} "
                   f"{str(r['best_splits'] or '-'):>6} {r['best_gbps']:>9.0f} {r['sdpa_ms']:>8.4f} "
@@ -107,7 +185,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(f"measured wave: {rows[0]['wave'] if rows else None} programs resident at once")
     print(json.dumps({"bench": "paged_decode_attention", "num_q_heads": NUM_Q_HEADS,
-                      "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
+                      "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                      "kv_cache_dtype": args.kv_cache_dtype,
                       "block_size": BLOCK_SIZE, "device": torch.cuda.get_device_name(),
                       "results": rows}))
 

@@ -21,6 +21,7 @@ _KERNELS = {
     "gather_blocks": ("uva_gather", "gather_blocks", "gather_blocks_ref"),
     "block_minmax": ("summaries", "block_minmax", "block_minmax_ref"),
     "select_blocks": ("select_blocks", "select_blocks", "select_blocks_ref"),
+    "promote_local": ("promote_local", "promote_local", "promote_local_ref"),
     "wait_ready": ("wait_ready", "wait_ready", "wait_ready_ref"),
     "clock_add": ("device_clock", "clock_add", "clock_add_ref"),
 }

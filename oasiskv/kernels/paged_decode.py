@@ -16,14 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import check_scales
+from oasiskv.kernels.fp8 import FP8, check_scales
 
 _LOG2E = 1.4426950408889634
-# Launch config, tuned on an H200 (bf16, head_dim 128, block 16): 64 KV tokens per inner-loop
-# iteration (several blocks per tile when block_size is small), 4 warps, 2 pipeline stages.
-_TOKENS_PER_ITER = 64
-_NUM_WARPS = 4
-_NUM_STAGES = 2
+# Launch config by storage dtype: (KV tokens per inner-loop iteration (several blocks per tile when
+# block_size is small), warps, pipeline stages). 16-bit: tuned on an H200 (head_dim 128, block 16).
+_LAUNCH = {"16-bit": (64, 4, 2), "fp8": (64, 4, 2)}
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -51,19 +49,59 @@ def _load_scales(scale_ptr, offs, valid, TILE: tl.constexpr, QUANT: tl.constexpr
 
 
 @triton.jit
-def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
+def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr,
+                  FP8_DOT: tl.constexpr):
     """One tile of online softmax in the log2 domain: scores ``q @ kt`` times each key's
     dequantization scale ``k_scale`` ``[TILE]`` (``[BLOCK_G, TILE]``, -inf where not ``valid``) ->
     (p, alpha, m_new, l_new); the caller rescales its accumulator by alpha and adds
-    ``(p * v_scale) @ v``. While no valid token has been seen (m_new = -inf) exp2 is kept away
-    from NaN."""
-    s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
+    ``_pv(p, v_scale, v)``. While no valid token has been seen (m_new = -inf) exp2 is kept away
+    from NaN. FP8_DOT: ``q`` is ``_fp16_query``'s fp16 copy, ``qk_scale`` divided by its shift, and
+    ``kt`` FP8: the dot runs on fp16 inputs (the FP8 values convert exactly with one instruction per
+    pair, the products are exact in the fp32 accumulator); else ``q`` is float32 and the dot runs
+    at DOT_PRECISION."""
+    if FP8_DOT:
+        s = tl.dot(q, kt.to(tl.float16))
+    else:
+        s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION)
+    s = s * (qk_scale * k_scale[None, :])
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _fp16_query(q):
+    """(q16, shift) for float32 query rows ``q`` ``[BLOCK_G, HEAD_DIM]`` that came from 16-bit
+    storage: ``q16 = q * shift`` in fp16, exact (a bf16 value has 8 significant bits, fp16 11)
+    unless a component is below fp16's normal range (6e-5 of the shifted scale: it keeps an
+    absolute error under 3e-8, negligible in a dot with the others); ``shift`` is 1, or the power
+    of two that brings ``max |q|`` under 2**14 (fp16's range ends at 65504)."""
+    amax = tl.max(tl.max(tl.abs(q), 1), 0)
+    shift = tl.where(amax > 16384.0, tl.exp2(-tl.ceil(tl.log2(amax / 16384.0))), 1.0)
+    return (q * shift).to(tl.float16), shift
+
+
+@triton.jit
+def _pv(p, v_scale, v, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr):
+    """``(p * v_scale) @ v``: float32 ``[BLOCK_G, HEAD_DIM]`` for softmax weights ``p``
+    ``[BLOCK_G, TILE]``, value rows ``v`` ``[TILE, HEAD_DIM]`` and their dequantization scales
+    ``[TILE]`` (used when QUANT). FP8_DOT: the rows are dequantized relative to the tile's largest
+    scale, ``v * (v_scale / max(v_scale))`` (so within FP8's range, at most 448), rounded to fp16
+    (11 significant bits; what underflows is below 1e-7 of the tile's largest row) in the layout
+    they were loaded in (so fp16, not bytes, go through shared memory to the tensor cores), the
+    weights (in [0, 1]) too, and ``max(v_scale)`` multiplies the fp32 result; else the dot runs in
+    float32 at DOT_PRECISION."""
+    if FP8_DOT:
+        top = tl.max(v_scale, 0)
+        top = tl.where(top > 0, top, 1.0)  # no valid row in the tile: its weights are 0 anyway
+        v16 = (v.to(tl.float32) * (v_scale / top)[:, None]).to(tl.float16)
+        return tl.dot(p.to(tl.float16), v16) * top
+    if QUANT:
+        p = p * v_scale[None, :]
+    return tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -95,6 +133,7 @@ def _decode_split_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MIN_BLOCKS: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
 
@@ -117,6 +156,9 @@ def _decode_split_kernel(
 
     rows = row + 0 * offs_g
     q = _load_q(q_ptr, rows, stride_qb, stride_qh, q_heads, g_mask, offs_d)
+    if FP8_DOT:
+        q, shift = _fp16_query(q)
+        qk_scale = qk_scale / shift
 
     ctx_len = tl.load(context_lens_ptr + row)
     ctx_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
@@ -146,12 +188,11 @@ def _decode_split_kernel(
                      other=0.0)
         k_scale = _load_scales(k_scale_ptr, scale_offs, valid, TILE, QUANT)
         p, alpha, m_new, l_i = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
-                                             DOT_PRECISION)
+                                             DOT_PRECISION, FP8_DOT)
         v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None],
                     other=0.0)
-        if QUANT:
-            p = p * _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
+        acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT)
         m_i = m_new
 
     _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits,
@@ -187,8 +228,17 @@ def _decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
-def _blocks_per_iter(block_size: int) -> int:
-    return max(1, _TOKENS_PER_ITER // block_size)
+def fp8_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether decode over ``cache`` runs its dots on fp16 inputs (``_softmax_tile``, ``_pv``): an
+    FP8 cache read by 16-bit queries. A float32 query keeps the float32 dots (the exact path)."""
+    return cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def launch_config(cache: torch.Tensor,
+                  launch: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """(tokens per iteration, warps, stages) for decode over ``cache``: ``launch`` when given (the
+    kernel benchmark's sweep), else the tuned one for its dtype."""
+    return launch or _LAUNCH["fp8" if cache.dtype == FP8 else "16-bit"]
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -217,14 +267,14 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_siz
 _waves: dict[tuple, int] = {}
 
 
-def _wave_size(compiled, device: torch.device) -> int | None:
-    """Programs of ``compiled`` resident at once on the whole GPU, from its registers / shared
-    memory."""
+def _wave_size(compiled, device: torch.device, num_warps: int) -> int | None:
+    """Programs of ``compiled`` (``num_warps`` warps each) resident at once on the whole GPU, from
+    its registers / shared memory."""
     n_regs = getattr(compiled, "n_regs", None)
     if not n_regs:
         return None
     props = torch.cuda.get_device_properties(device)
-    threads = 32 * _NUM_WARPS
+    threads = 32 * num_warps
     shared = getattr(compiled.metadata, "shared", 0) or 0
     smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
     per_sm = min(props.max_threads_per_multi_processor // threads,
@@ -264,7 +314,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None,
                            blocks_per_split: int | None = None,
                            num_splits: int | None = None,
-                           scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its paged KV cache; returns ``out``.
 
     q: ``[B, num_q_heads, head_dim]`` (last-dim stride 1), num_q_heads = G * num_kv_heads; query
@@ -278,7 +329,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     them; ``num_splits`` forces the count (still per row); ``blocks_per_split`` forces that many KV
     blocks per split instead. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run as
     tf32 (exact for the 16-bit Q.K products; softmax weights are rounded to tf32 for P.V), with an
-    fp32 q or cache as IEEE fp32. No host sync; CUDA-graph capturable.
+    fp32 q or cache as IEEE fp32; an FP8 cache read by a 16-bit q as in ``fp8_dot``. ``launch``:
+    forces ``launch_config``. No host sync; CUDA-graph capturable.
     """
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_dim = k_cache.shape
@@ -301,7 +353,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
 
     max_blocks = block_tables.shape[1]
-    key = (q.device, q.dtype, k_cache.dtype, head_dim, block_size, num_q_heads // num_kv_heads)
+    tokens, warps, stages = launch_config(k_cache, launch)
+    key = (q.device, q.dtype, k_cache.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
+           tokens, warps, stages)
     if blocks_per_split is None:
         num_splits = num_splits or default_num_splits(batch, num_kv_heads, max_blocks, block_size,
                                                       _waves.get(key, _DEFAULT_WAVE))
@@ -324,12 +378,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_scale.stride(0), k_scale.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCKS_PER_ITER=_blocks_per_iter(block_size),
+        BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, tokens // block_size),
         MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct,
         DOT_PRECISION="ieee" if fp32 else "tf32", QUANT=scales is not None,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        FP8_DOT=fp8_dot(q, k_cache), num_warps=warps, num_stages=stages,
     )
     if key not in _waves and q.is_cuda:
-        _waves[key] = _wave_size(compiled, q.device) or _DEFAULT_WAVE
+        _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE
     merge_splits(workspace, out, num_splits)
     return out

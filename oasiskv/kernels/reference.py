@@ -1,6 +1,6 @@
 """Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``,
 ``fused_ops``, and the sparse path: ``sparse_decode``, ``block_scores``, ``uva_gather``,
-``summaries``, ``select_blocks``, ``wait_ready``, ``device_clock``).
+``summaries``, ``select_blocks``, ``promote_local``, ``wait_ready``, ``device_clock``).
 
 Same signatures and semantics as the kernels; math in fp32. The engine uses them on CPU, so they are
 vectorized over the batch (they do sync the host, e.g. on ``context_lens.max()``, so they are not
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from oasiskv.kernels.fp8 import dequantize, quantize_rows
+from oasiskv.kernels.fp8 import as_bytes, dequantize, quantize_rows
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -284,3 +284,28 @@ def select_blocks_ref(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch
                 .view_as(sel.src_block))
     counters[:3] += torch.stack([sel.hits, sel.misses, sel.admitted])
     return torch.where(sel.src_block >= 0, host_ids, -1), sel.dst_slot
+
+
+def promote_local_ref(ws_k: torch.Tensor, ws_v: torch.Tensor,
+                      scales: tuple[torch.Tensor, torch.Tensor] | None, ws_map: torch.Tensor,
+                      ws_last: torch.Tensor, slots: torch.Tensor, done: torch.Tensor,
+                      block: torch.Tensor, now: torch.Tensor) -> None:
+    """As ``promote_local``: each ``done`` row's local block (slot W-1), per head, into the first
+    empty slot, else the least recently selected one; vectorized over rows."""
+    K = ws_map.shape[2] - 1
+    if slots.shape[0] == 0:
+        return
+    rows = slots.long()
+    held, last = ws_map[rows, :, :K], ws_last[rows]
+    key = torch.where(held < 0, torch.full_like(last, torch.iinfo(torch.int64).min), last)
+    victim = key.argmin(dim=-1)                                        # [N, Hk]
+    done_rows, victim = rows[done], victim[done]
+    if done_rows.numel() == 0:
+        return
+    heads = torch.arange(ws_map.shape[1], device=ws_map.device)[None, :]
+    r = done_rows[:, None]
+    for cache in (ws_k, ws_v, *(scales or ())):
+        cache = as_bytes(cache)
+        cache[r, heads, victim] = cache[r, heads, K]
+    ws_map[r, heads, victim] = block[done].to(ws_map.dtype)[:, None]
+    ws_last[r, heads, victim] = now.to(ws_last.dtype)

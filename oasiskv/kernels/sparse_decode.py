@@ -31,17 +31,13 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.fp8 import check_scales
-from oasiskv.kernels.paged_decode import (_load_q, _load_scales, _softmax_tile, _store_split,
-                                          _wave_size, default_num_splits, merge_splits,
+from oasiskv.kernels.paged_decode import (_load_q, _load_scales, _pv, _softmax_tile,
+                                          _fp16_query, _store_split, _wave_size,
+                                          default_num_splits, fp8_dot, launch_config, merge_splits,
                                           split_workspace)
 
 _LOG2E = 1.4426950408889634
-# 64 KV tokens per inner-loop iteration (4 slots at B=16), as paged_decode; 4 warps (``_wave_size``
-# in paged_decode assumes 4), 2 stages. Untuned: check on the H200 (see
-# tests/kernels/test_sparse_kernels.py).
-_TOKENS_PER_ITER = 64
-_NUM_WARPS = 4
-_NUM_STAGES = 2
+# The launch config (tokens per iteration, warps, stages) is paged_decode's ``launch_config``.
 _DEFAULT_WAVE = 512
 
 
@@ -59,7 +55,7 @@ def _sparse_split_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DRAFT: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` (and, HAS_DRAFT, of
     its draft row ``draft_rows[pid(0)]`` when >= 0, program rows G..2G-1) over the slots of split
@@ -90,6 +86,10 @@ def _sparse_split_kernel(
         g_mask = offs_g < G
 
     q = _load_q(q_ptr, q_rows, stride_qn, stride_qh, q_heads, g_mask, offs_d)
+    q_dot, qk_dot = q, qk_scale
+    if FP8_DOT:
+        q_dot, shift = _fp16_query(q)
+        qk_dot = qk_scale / shift
 
     seq = tl.load(seq_slots_ptr + row)
     local_len = tl.load(local_lens_ptr + row)
@@ -121,13 +121,12 @@ def _sparse_split_kernel(
         scale_offs = scale_head + slot64 * stride_sw + tile_off
         k_scale = _load_scales(k_scale_ptr, scale_offs, valid, TILE, QUANT)
         # a tile may hold no valid token (empty slots): _softmax_tile keeps that finite
-        p, alpha, m_new, l_i = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
-                                             DOT_PRECISION)
+        p, alpha, m_new, l_i = _softmax_tile(q_dot, kt, k_scale, valid, m_i, l_i, qk_dot,
+                                             DOT_PRECISION, FP8_DOT)
         v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None],
                     other=0.0)
-        if QUANT:
-            p = p * _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
+        acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT)
         m_i = m_new
 
     # the draft's own key and value, once: in the split that holds the local slot
@@ -184,7 +183,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     with q's dtype. num_splits: split-K factor over the W slots (default from
     ``paged_decode.default_num_splits`` with the measured wave size); each split covers whole
     iterations of slots, splits past the last slot write neutral partials. Math is fp32 with K/V
-    upcast; dots as tf32 for 16-bit inputs, IEEE fp32 when q or the working set is fp32. An FP8
+    upcast; dots as tf32 for 16-bit inputs, IEEE fp32 when q or the working set is fp32, and as
+    in ``paged_decode.fp8_dot`` for an FP8 working set read by a 16-bit q. An FP8
     working set (``float8_e4m3fn``) comes with ``scales``: float32 ``(k_scale, v_scale)``
     ``[S, Hk, W, B]`` (last-dim stride 1, the same strides), one per stored row
     (``kernels/fp8.py``); the draft rows' own K/V are unscaled. No host sync; CUDA-graph
@@ -225,7 +225,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     if n == 0:
         return out
 
-    slots_per_iter = max(1, _TOKENS_PER_ITER // block_size)
+    tokens, warps, stages = launch_config(ws_k)
+    slots_per_iter = max(1, tokens // block_size)
     key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft)
     if num_splits is None:
         num_splits = default_num_splits(n, num_kv_heads, num_slots, block_size,
@@ -255,9 +256,9 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32", HAS_DRAFT=has_draft,
-        QUANT=scales is not None, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        QUANT=scales is not None, FP8_DOT=fp8_dot(q, ws_k), num_warps=warps, num_stages=stages,
     )
     if key not in _waves and q.is_cuda:
-        _waves[key] = _wave_size(compiled, q.device) or _DEFAULT_WAVE
+        _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE
     merge_splits(workspace, out, num_splits)
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kv.prefetch import PrefetchPipeline, Tail
-from oasiskv.kv.tiered import TieredKV
+from oasiskv.kv.tiered import DecodeRows, TieredKV
 
 
 class Retrieval:
@@ -35,12 +35,13 @@ class Retrieval:
     def claim(self, layer: int) -> None:
         """``layer``'s working set is about to be used (decode or prefill)."""
 
-    def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
-                         tables: torch.Tensor, pos: torch.Tensor) -> None:
-        """Decode rows ``q`` ``[N, Hq, D]`` at positions ``pos`` are about to attend."""
+    def before_attention(self, layer: int, q: torch.Tensor, rows: DecodeRows,
+                         tables: torch.Tensor) -> None:
+        """Decode rows ``q`` ``[N, Hq, D]`` (``rows``, block tables ``tables``) are about to
+        attend."""
 
-    def after_attention(self, layer: int, q_next: torch.Tensor, slots: torch.Tensor,
-                        tables: torch.Tensor, pos: torch.Tensor) -> None:
+    def after_attention(self, layer: int, q_next: torch.Tensor, rows: DecodeRows,
+                        tables: torch.Tensor) -> None:
         """They attended; ``q_next`` predicts each row's query at the next step."""
 
     def finish(self) -> None:
@@ -57,14 +58,13 @@ class Retrieval:
 
 
 class SyncRetrieval(Retrieval):
-    def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
-                         tables: torch.Tensor, pos: torch.Tensor) -> None:
-        complete = pos // self.kv.layout.block_size
+    def before_attention(self, layer: int, q: torch.Tensor, rows: DecodeRows,
+                         tables: torch.Tensor) -> None:
         if not self.active:
-            self.kv.notify_current(layer, q, slots, tables, complete)
+            self.kv.notify_current(layer, q, rows.slots, tables, rows.complete)
             return
         with self.kv.probes.stall():
-            self.kv.retrieve(layer, q, slots, tables, complete,
+            self.kv.retrieve(layer, q, rows.slots, tables, rows.complete,
                              notify="current" if self.kv.probes.observers else None)
 
 
@@ -91,20 +91,19 @@ class LookaheadRetrieval(Retrieval):
     def claim(self, layer: int) -> None:
         self.pipeline.wait(layer)  # this layer's working set is the foreground's again
 
-    def before_attention(self, layer: int, q: torch.Tensor, slots: torch.Tensor,
-                         tables: torch.Tensor, pos: torch.Tensor) -> None:
-        self.kv.notify_current(layer, q, slots, tables, pos // self.kv.layout.block_size)
+    def before_attention(self, layer: int, q: torch.Tensor, rows: DecodeRows,
+                         tables: torch.Tensor) -> None:
+        self.kv.notify_current(layer, q, rows.slots, tables, rows.complete)
 
-    def after_attention(self, layer: int, q_next: torch.Tensor, slots: torch.Tensor,
-                        tables: torch.Tensor, pos: torch.Tensor) -> None:
+    def after_attention(self, layer: int, q_next: torch.Tensor, rows: DecodeRows,
+                        tables: torch.Tensor) -> None:
         """Step t+1's selection and fetch for ``layer`` from the predicted queries ``q_next``."""
         if not self.active:
             return
-        kv, complete = self.kv, (pos + 1) // self.kv.layout.block_size
+        kv, slots, complete, now = self.kv, rows.slots, rows.complete_next, rows.now
         if kv.probes.observers:  # observers read the scores on the host: everything on one stream
             kv.retrieve(layer, q_next, slots, tables, complete, notify="predicted")
             return
-        now = kv.now.clone()  # this step's stamp: the next step bumps it before this stage may run
         out = self._copy_lists[layer][:, :slots.shape[0] * kv.layout.num_kv_heads * kv.cap]
 
         def select() -> torch.Tensor:

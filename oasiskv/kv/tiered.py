@@ -50,6 +50,36 @@ class TierStep:
     draft_rows: torch.Tensor | None = None
     draft_of: torch.Tensor | None = None
     aux: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: set at the forward's first layer: host slots of the step's tokens, and a decode step's rows
+    host_slots: torch.Tensor | None = None
+    rows: DecodeRows | None = None
+
+
+@dataclass
+class DecodeRows:
+    """A decode step's per-row index tensors for its N sequence rows, computed once per forward
+    (``TieredKV.decode_rows``, at the first layer; inside a captured graph, so replays recompute
+    them) and read by every layer, so no layer repeats this index arithmetic.
+
+    slots, block: int64 ``[N]`` each row's working-set slot and the logical index of its local
+    block (pos // B). local_index: int64 ``[N]`` the new token's row in the flattened local blocks.
+    local_lens: int32 ``[N]`` tokens of the local block attended (pos % B + 1). complete,
+    complete_next: int32 ``[N]`` complete blocks before and after this token. done: bool ``[N]``
+    the token filled its local block (False on padding rows). summary_src, summary_heads,
+    summary_dst: int64 ``[N * Hk]`` per (row, kv head): slot, head, and the host block a filled
+    local block is summarised into (-1: none). now: 0-d int64, this step's stamp (a copy: the next
+    step bumps ``TieredKV.now`` before this step's side stages may run)."""
+    slots: torch.Tensor
+    block: torch.Tensor
+    local_index: torch.Tensor
+    local_lens: torch.Tensor
+    complete: torch.Tensor
+    complete_next: torch.Tensor
+    done: torch.Tensor
+    summary_src: torch.Tensor
+    summary_heads: torch.Tensor
+    summary_dst: torch.Tensor
+    now: torch.Tensor
 
 
 def _k_scale(scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
@@ -97,11 +127,11 @@ class TieredKV:
 
     # ---- prefill ---------------------------------------------------------------------------------
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """Write the step's K/V ``[T, Hk, D]`` into the host store (negative slots skipped)."""
+              host_slots: torch.Tensor) -> None:
+        """Write the step's K/V ``[T, Hk, D]`` into the host store at ``host_slots`` ``[T]``
+        (``host.physical_slots`` of the slot mapping; negative slots skipped)."""
         host_k, host_v = self.host.layer(layer)
-        self._store(k, v, host_k, host_v, self.host.physical_slots(slot_mapping),
-                    scales=self.host.layer_scales(layer))
+        self._store(k, v, host_k, host_v, host_slots, scales=self.host.layer_scales(layer))
 
     def prefill(self, layer: int, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Dense attention over each sequence's prompt (a chunk's prefix read from the host store),
@@ -168,40 +198,46 @@ class TieredKV:
             self.ws.fetch(layer, self.host, slot, block, local)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def store_local(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                    pos: torch.Tensor) -> None:
-        """Append each row's new K/V ``[N, Hk, D]`` to its local block (slots, pos ``[N]``)."""
-        B = self.layout.block_size
+    def decode_rows(self, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
+                    real: torch.Tensor) -> DecodeRows:
+        """The step's ``DecodeRows`` from each row's working-set slot, position and block-table row
+        (``[N]``, ``[N]``, ``[N, max_blocks]``); ``real`` ``[N]`` is False on graph padding rows
+        (their table rows are stale: they must write nothing)."""
+        B, heads = self.layout.block_size, self.layout.num_kv_heads
+        slots, pos = slots.long(), pos.long()
+        block, offset = pos // B, pos % B
+        done = (offset == B - 1) & real
+        host_block = tables.long().gather(1, block[:, None])[:, 0]
+        return DecodeRows(
+            slots=slots, block=block, local_index=slots * B + offset,
+            local_lens=(offset + 1).to(torch.int32), complete=block.to(torch.int32),
+            complete_next=((pos + 1) // B).to(torch.int32), done=done,
+            summary_src=slots.repeat_interleave(heads),
+            summary_heads=torch.arange(heads, device=pos.device).repeat(pos.shape[0]),
+            summary_dst=torch.where(done, host_block, -1).repeat_interleave(heads),
+            now=self.now.clone())
+
+    def store_local(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: DecodeRows) -> None:
+        """Append each row's new K/V ``[N, Hk, D]`` to its local block."""
         local_k, local_v = self.ws.local(layer)
-        self._store(k, v, local_k, local_v, slots.long() * B + pos % B,
-                    scales=self.ws.local_scales(layer))
+        self._store(k, v, local_k, local_v, rows.local_index, scales=self.ws.local_scales(layer))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               step: "TierStep", pos: torch.Tensor, scale: float) -> torch.Tensor:
+               step: TierStep, scale: float) -> torch.Tensor:
         """Sparse attention of q ``[T, Hq, D]`` over each row's working set and local block; draft
         rows (``step.draft_rows``) see their row's too, plus the row's and their own K/V
         (``k``/``v`` ``[T, Hk, D]``), never stored."""
-        B = self.layout.block_size
         extra = ({} if step.draft_rows is None
                  else dict(draft_rows=step.draft_rows, extra_k=k, extra_v=v))
         return self._attend(q, self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], step.slots,
-                            (pos % B + 1).to(torch.int32), scale, scales=self.ws.scales[layer],
-                            **extra)
+                            step.rows.local_lens, scale, scales=self.ws.scales[layer], **extra)
 
-    def complete_local_blocks(self, layer: int, slots: torch.Tensor, pos: torch.Tensor,
-                              tables: torch.Tensor, real: torch.Tensor) -> None:
-        """Rows whose local block just filled: summarise it and move it into the working set.
-        ``real`` ``[N]`` is False on graph padding rows (their table rows are stale: they must write
-        nothing)."""
-        lay, B = self.layout, self.layout.block_size
-        done = (pos % B == B - 1) & real
-        host_block = tables.long().gather(1, (pos // B)[:, None])[:, 0]
-        heads = self.heads(len(pos))
-        local_k = self.ws.local(layer)[0]
-        self.summaries.update(layer, local_k, slots.repeat_interleave(lay.num_kv_heads), heads,
-                              torch.where(done, host_block, -1).repeat_interleave(lay.num_kv_heads),
-                              heads, _k_scale(self.ws.local_scales(layer)))
-        self.ws.promote_local(layer, slots, done, pos // B, self.now)
+    def complete_local_blocks(self, layer: int, rows: DecodeRows) -> None:
+        """Rows whose local block just filled: summarise it and move it into the working set."""
+        self.summaries.update(layer, self.ws.local(layer)[0], rows.summary_src, rows.summary_heads,
+                              rows.summary_dst, rows.summary_heads,
+                              _k_scale(self.ws.local_scales(layer)))
+        self.ws.promote_local(layer, rows.slots, rows.done, rows.block, rows.now)
 
     def retrieve(self, layer: int, q: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  complete: torch.Tensor, fetch: bool = True, notify: str | None = None,
@@ -234,9 +270,6 @@ class TieredKV:
         if self.probes.observers:
             self.notify("current", layer, slots,
                         self.summaries.scores(layer, q, tables, complete.to(torch.int32)))
-
-    def heads(self, rows: int) -> torch.Tensor:
-        return torch.arange(self.layout.num_kv_heads, device=self.device).repeat(rows)
 
     # ---- accounting ------------------------------------------------------------------------------
     def decode_read_bytes(self, context_lens: list[int]) -> int:

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import as_bytes, empty_kv
+from oasiskv.kernels.fp8 import empty_kv
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
-from oasiskv.kv.selection import scatter_where
 
 # UVA gather grid: 8 programs with 4 slices in flight each move 51 GB/s (93% of PCIe) on the H200
 # and overlap a memory-bound decode GEMM on another stream by 0.87 (64 x 1, the old grid: 0.76; see
@@ -43,6 +42,7 @@ class WorkingSet:
         self._heads = torch.arange(H, device=device)
         self._gather = kernel("gather_blocks", device.type == "cuda")
         self._select = kernel("select_blocks", device.type == "cuda")
+        self._promote = kernel("promote_local", device.type == "cuda")
 
     def local(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[S, Hk, B, D]`` of every slot's local block at ``layer``."""
@@ -107,24 +107,10 @@ class WorkingSet:
                      scales=scales)
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor,
-                      block: torch.Tensor, now: int | torch.Tensor) -> None:
+                      block: torch.Tensor, now: torch.Tensor) -> None:
         """Rows ``done`` ``[N]`` completed their local block (logical index ``block`` ``[N]``): per
-        head it moves into an empty slot, else the least recently selected one (the paper's rule for
-        newly generated blocks; no fetch, so no cap)."""
-        K, local = self.layout.topk_blocks, self.layout.local_slot
-        ws_map, ws_last = self.map[layer][slots, :, :K], self.last[layer][slots]
-        key = torch.where(ws_map < 0, torch.full_like(ws_last, torch.iinfo(torch.int64).min),
-                          ws_last)
-        victim = key.argmin(dim=-1)                                        # [N, Hk]
-        # not done: copy onto itself
-        dst = torch.where(done[:, None], victim, local)
-        rows, heads = slots.long()[:, None], self._heads[None, :]
-        for cache in (self.k[layer], self.v[layer], *(self.scales[layer] or ())):
-            cache = as_bytes(cache)
-            cache[rows, heads, dst] = cache[rows, heads, local]
-        mask, index = done[:, None, None].expand(*victim.shape, 1), victim[..., None]
-        scatter_where(ws_map, mask, index, block.view(-1, 1, 1).expand(*victim.shape, 1),
-                      out=ws_map)
-        scatter_where(ws_last, mask, index, now, out=ws_last)
-        self.map[layer][slots, :, :K] = ws_map
-        self.last[layer][slots] = ws_last
+        head it moves into an empty slot, else the least recently selected one, stamped ``now``
+        (the paper's rule for newly generated blocks; no fetch, so no cap). One kernel
+        (``kernels/promote_local.py``)."""
+        self._promote(self.k[layer], self.v[layer], self.scales[layer], self.map[layer],
+                      self.last[layer], slots, done, block, now)

@@ -111,6 +111,41 @@ def test_sparse_decode_fp8_equals_reference(with_draft):
     torch.testing.assert_close(ref.double(), dense, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("q_dtype,q_gain", [(torch.bfloat16, 1.0), (torch.float16, 1.0),
+                                            (torch.bfloat16, 3e5)])
+def test_decode_kernels_with_16_bit_queries_run_fp8_dots_close_to_the_reference(q_dtype, q_gain):
+    """A 16-bit q over FP8 rows takes the fp16 dots (``fp8_dot``): Q.K exact, the softmax weights
+    and the rows (relative to the tile's largest scale) rounded to fp16 for P.V, so outputs stay
+    within fp16 rounding of the float32 reference, for the paged and the sparse kernel (with a
+    draft row). A query beyond fp16's range (``q_gain``) is shifted by a power of two first."""
+    q, k_cache, v_cache, tables, ctx = _case([70, 33, 0, 16], num_kv_heads=2, group=4,
+                                             head_dim=32, block_size=16, dtype=torch.float32,
+                                             seed=11)
+    (kq, ks), (vq, vs) = quantized(k_cache), quantized(v_cache)
+    q = (q * q_gain).to(q_dtype)
+    scale = 1 / math.sqrt(32) / q_gain
+    got = paged_decode_attention(q, kq, vq, tables, ctx, scale, num_splits=2, scales=(ks, vs))
+    ref = paged_decode_ref(q.float(), kq, vq, tables, ctx, scale, scales=(ks, vs))
+    tol = 8e-3 if q_dtype == torch.bfloat16 else 2e-3  # the output is stored in q's dtype
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+    cq, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
+        ROWS, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, seed=12)
+    (wk, wks), (wv, wvs) = quantized(ws_k), quantized(ws_v)
+    n = len(ROWS)
+    gen = torch.Generator().manual_seed(13)
+    cq = (torch.cat([cq, torch.randn(1, cq.shape[1], 32, generator=gen)]) * q_gain).to(q_dtype)
+    draft = dict(draft_rows=torch.tensor([-1, n, -1, -1, -1, -1], dtype=torch.int32),
+                 extra_k=torch.randn(n + 1, 2, 32, generator=gen).to(q_dtype),
+                 extra_v=torch.randn(n + 1, 2, 32, generator=gen).to(q_dtype))
+    got = sparse_decode_attention(cq, wk, wv, ws_map, seq_slots, local_lens, scale, num_splits=2,
+                                  scales=(wks, wvs), **draft)
+    ref = sparse_decode_ref(cq.float(), wk, wv, ws_map, seq_slots, local_lens, scale,
+                            scales=(wks, wvs), **{k: v.float() if v.is_floating_point() else v
+                                                  for k, v in draft.items()})
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("fn", [gather_blocks, gather_blocks_ref], ids=["triton", "ref"])
 def test_gather_blocks_moves_fp8_slices_with_their_scales(fn):
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(dtype=torch.float32,

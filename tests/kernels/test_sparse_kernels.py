@@ -242,12 +242,15 @@ def _scores_float64(q, summaries, tables, num_blocks, alpha):
 NUM_BLOCKS = [37, 0, 5, 40]
 
 
-@pytest.mark.parametrize("group,alpha", [(1, 1.0), (2, 1.0), (4, 0.5)])
-def test_block_scores(group, alpha):
+@pytest.mark.parametrize("group,alpha,config", [
+    (1, 1.0, {}), (2, 1.0, {}), (4, 0.5, {}),
+    (2, 1.0, dict(block_b=8, tiles=3, num_stages=2)),  # a program loops over 3 tiles
+    (4, 0.5, dict(block_b=16, tiles=4, num_warps=2))])
+def test_block_scores(group, alpha, config):
     q, keys, summaries, tables, num_blocks = _scores_case(NUM_BLOCKS, num_kv_heads=2, group=group,
                                                           head_dim=32)
     out = torch.full((4, 2, tables.shape[1]), NAN)
-    got = block_scores(q, summaries, tables, num_blocks, alpha, out=out)
+    got = block_scores(q, summaries, tables, num_blocks, alpha, out=out, **config)
     ref = block_scores_ref(q, summaries, tables, num_blocks, alpha)
     want = _scores_float64(q, summaries, tables, num_blocks, alpha)
     assert got is out and not got.isnan().any()
