@@ -17,6 +17,9 @@ stream, and both launched together; overlap = (fg + gather - both) / min(fg, gat
 hidden, 0 = serial, negative = worse than serial. Then the same with cuBLAS told to leave SMs free
 (``torch._C._set_sm_carveout_experimental``). Prints tables, then one JSON line. Expected about a
 minute on an H200 (mostly pinning and filling the store).
+
+``python -m oasiskv.bench.uva_gather --fp8``: bandwidth only, for FP8 slices (2 KiB of e4m3 values
+plus 64 B of row scales each) from a store of the same byte size, over ``FP8_VARIANTS``.
 """
 import json
 import statistics
@@ -31,6 +34,8 @@ NUM_ITEMS = 32768         # (block, kv head) items per gather: 65,536 slices wit
 # (num_programs, items_per_iter, side stream priority: 0 normal, -1 high)
 VARIANTS = ((16, 1, 0), (32, 1, 0), (64, 1, 0), (132, 1, 0), (8, 4, 0), (16, 4, 0), (32, 4, 0),
             (8, 8, 0), (16, 4, -1), (32, 4, -1), (64, 1, -1))
+# FP8 slices are half as large: more of them in flight keep the bytes in flight
+FP8_VARIANTS = ((8, 4), (8, 8), (8, 16), (16, 4), (16, 8), (32, 4))
 CARVEOUTS = (0, 16, 32)
 PCIE_LIMIT_GBPS = 55.0    # one large cudaMemcpy, PCIe Gen5 x16 (docs: DESIGN section 3.7)
 REPS = 10
@@ -82,9 +87,48 @@ def _host_store():
     return host_k, host_v
 
 
+def fp8_bandwidth() -> None:
+    """GB/s of FP8 gathers (values and scales) for each of FP8_VARIANTS."""
+    from oasiskv.kernels.fp8 import FP8
+    from oasiskv.kernels.uva_gather import gather_blocks
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
+    per_block = NUM_LAYERS * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM
+    shape = (int(HOST_GIB * 2**30 / 2 / per_block), NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    host = [torch.empty(shape, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    for h in host:
+        h.random_(0, 0x70)  # finite e4m3 bit patterns
+    host = [h.view(FP8) for h in host]
+    host_scales = [torch.rand(shape[:-1], pin_memory=True) for _ in range(2)]
+    num_seqs = -(-NUM_ITEMS // (NUM_KV_HEADS * 129))
+    ws_shape = (num_seqs, NUM_KV_HEADS, 129, BLOCK_SIZE, HEAD_DIM)
+    ws = [torch.zeros(ws_shape, dtype=torch.uint8, device=dev).view(FP8) for _ in range(2)]
+    ws_scales = [torch.zeros(ws_shape[:-1], device=dev) for _ in range(2)]
+    src_block = torch.randint(shape[0], (NUM_ITEMS,), generator=gen, dtype=torch.int32).to(dev)
+    src_head = torch.randint(NUM_KV_HEADS, (NUM_ITEMS,), generator=gen, dtype=torch.int32).to(dev)
+    dst_slot = (torch.randperm(num_seqs * NUM_KV_HEADS * 129, generator=gen)[:NUM_ITEMS]
+                .to(torch.int32).to(dev))
+    moved = 2 * NUM_ITEMS * BLOCK_SIZE * (HEAD_DIM + 4)
+    print(f"FP8 uva gather on {torch.cuda.get_device_name()}: {2 * NUM_ITEMS:,} slices x "
+          f"{BLOCK_SIZE * (HEAD_DIM + 4)} B (values + scales) = {moved / 2**20:.0f} MiB per gather")
+    print(f"{'programs':>8} {'items':>5} {'gather ms':>9} {'GB/s':>6}")
+    rows = []
+    for programs, items in FP8_VARIANTS:
+        ms = _median_ms(lambda: gather_blocks(  # noqa: B023
+            *host, 1, *ws, src_block, src_head, dst_slot, num_programs=programs,  # noqa: B023
+            items_per_iter=items, scales=(*host_scales, *ws_scales)),
+            torch.cuda.current_stream())
+        rows.append({"programs": programs, "items": items, "ms": ms, "gbps": moved / ms / 1e6})
+        print(f"{programs:>8} {items:>5} {ms:>9.3f} {moved / ms / 1e6:>6.1f}", flush=True)
+    print(json.dumps({"bench": "uva_gather", "dtype": "fp8", "results": rows}))
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("oasiskv.bench.uva_gather needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if "--fp8" in sys.argv[1:]:
+        fp8_bandwidth()
+        return
     from oasiskv.kernels.uva_gather import gather_blocks
 
     dev = torch.device("cuda")

@@ -19,10 +19,11 @@ from oasiskv.kernels.fp8 import empty_kv
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 
-# UVA gather grid: 8 programs with 4 slices in flight each move 51 GB/s (93% of PCIe) on the H200
-# and overlap a memory-bound decode GEMM on another stream by 0.87 (64 x 1, the old grid: 0.76; see
-# docs/benchmarks.md, the uva_gather table).
-_GATHER_PROGRAMS, _GATHER_ITEMS = 8, 4
+# UVA gather grid (programs, slices in flight each) by storage: 16-bit slices (4 KiB), 8 x 4 move
+# 51 GB/s (93% of PCIe) on the H200 and overlap a memory-bound decode GEMM on another stream by 0.87
+# (64 x 1, the old grid: 0.76); FP8 slices (2 KiB + scales) need twice the slices in flight: 8 x 4
+# moves 26.8 GB/s, 16 x 8 49.7 (docs/benchmarks.md, the uva_gather tables).
+_GATHER_GRID = {False: (8, 4), True: (16, 8)}
 
 
 class WorkingSet:
@@ -102,9 +103,9 @@ class WorkingSet:
         working set."""
         ws_scales = self.scales[layer]
         scales = None if ws_scales is None else (*host.scales, *ws_scales)
+        programs, in_flight = _GATHER_GRID[scales is not None]
         self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], items[0], items[1],
-                     items[2], num_programs=_GATHER_PROGRAMS, items_per_iter=_GATHER_ITEMS,
-                     scales=scales)
+                     items[2], num_programs=programs, items_per_iter=in_flight, scales=scales)
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor,
                       block: torch.Tensor, now: torch.Tensor) -> None:
