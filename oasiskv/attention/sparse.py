@@ -104,8 +104,13 @@ class SparseBackend(AttentionBackend):
                     kv.cap)
 
     def make_allocator(self) -> TieredAllocator:
+        # a drafter that reads the target's features of every prompt token cannot start after a
+        # shared prefix: no prefix sharing with it
+        drafter = self.lookahead.drafter if self.lookahead is not None else None
+        sharing = not (drafter is not None and drafter.aux_layers)
         self.allocator = TieredAllocator(self.kv.host.num_blocks, self._padding_slot,
-                                         self.kv.layout.block_size, on_free=self._release)
+                                         self.kv.layout.block_size, on_free=self._release,
+                                         enable_prefix_sharing=sharing)
         return self.allocator
 
     @property

@@ -64,6 +64,60 @@ def test_sequences_recomputed_in_chunks_are_reseeded(tmp_path, draft):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("kw", [
+    dict(topk_blocks=64, fetch_ratio=1.0),  # every block resident: equal to dense
+    dict(topk_blocks=3, fetch_ratio=0.34, draft="ngram"),  # selection from shared summaries
+], ids=["k-covers-all", "small-k-lookahead"])
+def test_prefix_sharing_in_the_host_store_skips_prefill_and_keeps_tokens(tmp_path, kw):
+    """A second request whose prompt starts with the first's takes its complete host blocks (and
+    their summaries) instead of prefilling them, and decodes the tokens it would have alone."""
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    shared = prompts(1, lo=150, hi=151, seed=21)[0]
+    batch = [shared + [5, 6, 7], shared + [8, 9]]
+    llm = LLM(str(path), kv_mode="oasis", host_kv_gib=0.01, **kw)
+    engine = llm.engine
+    first = llm.generate(batch[:1], GREEDY)[0].token_ids
+    before = engine.stats.prompt_tokens_total
+    second = llm.generate(batch[1:], GREEDY)[0].token_ids
+    computed = engine.stats.prompt_tokens_total - before
+    assert computed == len(batch[1]) - (len(shared) // 16) * 16  # every complete shared block
+    engine.allocator.check_invariants([])
+    solo = LLM(str(path), kv_mode="oasis", host_kv_gib=0.01, **kw).generate(batch, GREEDY)
+    assert [first, second] == [o.token_ids for o in solo]
+    if kw["topk_blocks"] == 64:
+        assert [first, second] == dense_tokens(path, batch)
+
+
+def test_no_prefix_sharing_with_a_drafter_that_reads_target_features(tmp_path):
+    """EAGLE-3 reads the target's features of every prompt token: a prompt cannot start after a
+    shared prefix, so the tiered allocator shares nothing."""
+    from oasiskv.bench.harness import oasis_backend
+    from oasiskv.config import EngineConfig
+    from oasiskv.engine.llm_engine import LLMEngine
+    from oasiskv.kv.allocator import TieredAllocator
+    from oasiskv.kv.probes import TierProbes
+    from oasiskv.spec.base import Drafter
+
+    class Features(Drafter):
+        aux_layers = (0,)
+
+        def propose(self, seqs):
+            return [None] * len(seqs)
+
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    shared = prompts(1, lo=150, hi=151, seed=21)[0]
+    config = EngineConfig.from_flat(model=str(path), kv_mode="oasis", host_kv_gib=0.01,
+                                    draft="ngram")
+    engine = LLMEngine(config, backend_factory=oasis_backend(TierProbes(), Features()))
+    assert isinstance(engine.allocator, TieredAllocator)
+    assert not engine.allocator.enable_prefix_sharing
+    for p in (shared + [5], shared + [6]):
+        engine.add_request(p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.stats.prompt_tokens_total == 2 * (len(shared) + 1)
+
+
 def test_fixture_target_oasis_equals_dense(fixtures_path):
     import json
     target = str(fixtures_path / "target")

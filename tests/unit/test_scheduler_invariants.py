@@ -1,5 +1,7 @@
 """Block manager and scheduler invariants under random add / step / abort / finish sequences:
-no leaked block, no block owned twice, ref counts equal table membership, budgets respected."""
+no leaked block, no block owned twice, ref counts equal table membership, budgets respected; the
+same for the tiered allocator (host blocks with prefix sharing, plus fewer working-set slots than
+the scheduler's batch)."""
 import random
 
 from hypothesis import given, settings, strategies as st
@@ -7,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.scheduler import Scheduler
 from oasiskv.engine.sequence import Sequence
+from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.sampling_params import SamplingParams
 
 OPS = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort", "finish"]),
@@ -19,9 +22,10 @@ def live(sched: Scheduler) -> list[Sequence]:
 
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4, 16]),
-       budget=st.integers(1, 64), share=st.booleans())
-def test_random_operations_keep_invariants(ops, num_blocks, block_size, budget, share):
-    bm = BlockManager(num_blocks, block_size, enable_prefix_sharing=share)
+       budget=st.integers(1, 64), share=st.booleans(), tiered=st.booleans())
+def test_random_operations_keep_invariants(ops, num_blocks, block_size, budget, share, tiered):
+    bm = (TieredAllocator(num_blocks, 4, block_size, enable_prefix_sharing=share) if tiered
+          else BlockManager(num_blocks, block_size, enable_prefix_sharing=share))
     sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=budget)
     all_seqs: list[Sequence] = []
     for op, arg in ops:
