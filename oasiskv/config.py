@@ -147,6 +147,10 @@ class TierConfig:
                          "the foreground stream), off (never after seeding: the foreground's cost "
                          "alone, for measurements)")
 
+    measure_stall: bool = _opt(True, "oasis: time the foreground's waits for retrieval on the "
+                               "device clock (two one-program kernels per layer) for the stall "
+                               "metrics")
+
     def __post_init__(self):
         if self.topk_blocks < 1 or not 0.0 < self.fetch_ratio <= 1.0 or self.host_kv_gib < 0:
             raise ValueError("topk_blocks must be >= 1, fetch_ratio in (0, 1], host_kv_gib >= 0")

@@ -50,10 +50,12 @@ class StepPlan:
 @dataclass
 class StepStats:
     """What ``finish`` reports of a step: ``counters`` (the engine sums them over steps),
-    ``gauges`` (values as of this step) and ``per_layer`` counts of this step, by name."""
+    ``gauges`` (values as of this step), ``per_layer`` counts of this step and ``samples``
+    (observations of this step for histograms, e.g. its stall seconds), by name."""
     counters: dict[str, float] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
     per_layer: dict[str, list[float]] = field(default_factory=dict)
+    samples: dict[str, list[float]] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):

@@ -178,6 +178,9 @@ class SparseBackend(AttentionBackend):
         self.retrieval.finish()
         lay = self.kv.layout
         counters, per_layer = self.kv.counters.read()
+        counters["stall_seconds"] = counters.pop("stall_ns") / 1e9
+        samples = ({"stall_seconds": [counters["stall_seconds"]]}
+                   if self.kv.config.measure_stall and not batch.is_prefill else {})
         counters["deferred"] = counters["misses"] - counters["fetched_blocks"]
         counters["fetched_bytes"] = 2 * counters["fetched_blocks"] * lay.slice_bytes
         counters["decode_rows"], self._decode_rows = self._decode_rows, 0
@@ -199,7 +202,7 @@ class SparseBackend(AttentionBackend):
             * lay.host_block_bytes,
             "hbm_bytes_in_use": used_slots * lay.working_set_bytes
             + self.kv.host.num_blocks * lay.summary_bytes_per_block}
-        return StepStats(counters, gauges, {"fetched_blocks": per_layer["fetched_blocks"]})
+        return StepStats(counters, gauges, {"fetched_blocks": per_layer["fetched_blocks"]}, samples)
 
     def _last_aux(self) -> dict[int, torch.Tensor]:
         """The features the drafter reads: from the replayed graph's static meta, else this

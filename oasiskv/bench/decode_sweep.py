@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from oasiskv.bench.harness import DeviceStallClock, emulated_host, emulated_label, oasis_backend
+from oasiskv.bench.harness import emulated_host, emulated_label, oasis_backend
 from oasiskv.bench.roofline import kv_read_bytes, measure_copy_bandwidth, weight_bytes
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
@@ -121,14 +121,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft=args.draft, prefetch=args.prefetch)
 
 
-def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0,
-                stall_clock: DeviceStallClock | None = None) -> LLMEngine:
+def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0) -> LLMEngine:
     """The engine a bench point runs: in oasis mode with the harness's probes (an emulated host
-    store of ``emulated_host_gib`` GiB when > 0, the stall clock)."""
+    store of ``emulated_host_gib`` GiB when > 0)."""
     if config.kv_mode != "oasis":
         return LLMEngine(config)
-    probes = TierProbes(host_store=emulated_host(emulated_host_gib) if emulated_host_gib else None,
-                        stall_clock=stall_clock)
+    probes = TierProbes(host_store=emulated_host(emulated_host_gib) if emulated_host_gib else None)
     return LLMEngine(config, backend_factory=oasis_backend(probes))
 
 
@@ -169,15 +167,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     points: list[Point] = []
     env = {}
     if "oasiskv" in engines:
-        clock = None
-        if config.kv_mode == "oasis":
-            from oasiskv.engine.model_runner import resolve_device
-            clock = DeviceStallClock(resolve_device(config.device))
-        engine = make_engine(config, args.emulated_host_gib, clock)
+        engine = make_engine(config, args.emulated_host_gib)
         env = _environment(engine)
         grid = [(c, n, o) for c in contexts for n in concurrencies for o in outputs]
         for ctx, conc, out in tqdm(grid, desc="oasiskv bench", file=sys.stderr):
-            points.append(bench_point(engine, ctx, conc, out, env, args.seed, clock))
+            points.append(bench_point(engine, ctx, conc, out, env, args.seed))
         hf_model_path, dtype, device = engine.model_path, engine.runner.dtype, engine.runner.device
         del engine
         gc.collect()
@@ -245,7 +239,7 @@ def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
 
 
 def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict,
-                seed: int, clock: DeviceStallClock | None = None) -> Point:
+                seed: int) -> Point:
     n = max_concurrency(engine, context, output_len) if concurrency == "max" else int(concurrency)
     point = Point(_label(engine), context, n, output_len)
     if n > max_concurrency(engine, context, output_len):
@@ -270,10 +264,8 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
             fetched += s.kv.get("fetched_bytes", 0)
             admitted += s.kv.get("fetched_blocks", 0)
             allowed += s.kv.get("cap_slots", 0)
-            if clock is not None:
-                stall, timed = stall + clock.take(), timed + 1
-        elif clock is not None:
-            clock.take()  # (seeding is not a stall)
+            if "stall_seconds" in s.kv_samples:  # the tier's device clock (seeding is no stall)
+                stall, timed = stall + s.kv_samples["stall_seconds"][0], timed + 1
     if steps:
         point.batch = batch_sum / steps
         point.tok_s = batch_sum / seconds

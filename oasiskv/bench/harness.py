@@ -4,23 +4,17 @@
   emulation, benchmark only): id b lives in physical block b mod ``num_physical``, so requests share
   physical blocks. Bytes moved and access patterns are real, the contents are not: only for
   random-weight throughput runs, and every output says so (``emulated_label``).
-- ``DeviceStallClock``: the foreground stall clock. Clock marks (``kernels/device_clock.py``)
-  around each foreground wait for, or in-line run of, selection and fetch add up on the device, in
-  eager steps and graph replays alike (graphs keep the marks they were captured with); ``take``
-  reads it once per step (a sync).
 - ``oasis_backend``: a backend factory for ``LLMEngine`` that builds the sparse backend with probes
   (and optionally a drafter of the harness's own, e.g. the eval's oracle).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
 import torch
 
 from oasiskv.attention.sparse import SparseBackend
-from oasiskv.kernels.dispatch import kernel
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.probes import TierProbes
@@ -61,30 +55,6 @@ def emulated_label(engine) -> str:
     if not isinstance(store, EmulatedHostStore):
         return ""
     return f"EMULATED host: {store.num_blocks} block ids on {store.num_physical} physical blocks"
-
-
-class DeviceStallClock:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._ns = torch.zeros(1, dtype=torch.long, device=device)
-        self._mark = kernel("clock_add", self.cuda)
-        with self.measure():  # compile the mark now, not first inside a capture
-            pass
-        self._ns.zero_()
-
-    @contextlib.contextmanager
-    def measure(self):
-        self._mark(self._ns, -1)
-        try:
-            yield
-        finally:
-            self._mark(self._ns, 1)
-
-    def take(self) -> float:
-        """Stall seconds since the last call (syncs the current stream)."""
-        ns = self._ns.item()
-        self._ns.zero_()
-        return ns / 1e9
 
 
 def oasis_backend(probes: TierProbes, drafter=None):

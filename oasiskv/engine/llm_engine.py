@@ -69,6 +69,7 @@ class EngineStats:
     kv_totals: dict = field(default_factory=dict)  # its counters summed over all steps
     kv_per_layer: dict = field(default_factory=dict)  # the backend's per-layer counts, last step
     kv_per_layer_totals: dict = field(default_factory=dict)  # those summed over all steps
+    kv_samples: dict = field(default_factory=dict)  # the backend's observations, last step
 
 
 @dataclass
@@ -269,7 +270,7 @@ class LLMEngine:
         if batch.is_prefill:
             s.prompt_tokens_total += sum(batch.num_tokens)
         s.generation_tokens_total += num_sampled
-        s.kv, s.kv_per_layer = {**kv.counters, **kv.gauges}, kv.per_layer
+        s.kv, s.kv_per_layer, s.kv_samples = {**kv.counters, **kv.gauges}, kv.per_layer, kv.samples
         for key, values in kv.per_layer.items():
             totals = s.kv_per_layer_totals.setdefault(key, [0] * len(values))
             s.kv_per_layer_totals[key] = [a + b for a, b in zip(totals, values)]

@@ -64,7 +64,7 @@ class Tail:
 
 class PrefetchPipeline:
     def __init__(self, num_layers: int, device: torch.device, asynchronous: bool,
-                 stall: Callable[[], ContextManager] = contextlib.nullcontext,
+                 stall: Callable[[int], ContextManager] = lambda layer: contextlib.nullcontext(),
                  before_copy: Callable[[], None] | None = None):
         self.cuda = device.type == "cuda"
         self.asynchronous = asynchronous and self.cuda
@@ -96,7 +96,7 @@ class PrefetchPipeline:
         the selection, the copy goes to the tail) or here and now (inline). ``keep``: foreground
         tensors the stages read."""
         if not self.asynchronous:
-            with self.stall():
+            with self.stall(layer):
                 copy(select())
             return
         capturing = torch.cuda.is_current_stream_capturing()
@@ -169,13 +169,13 @@ class PrefetchPipeline:
         """Order the foreground stream after ``layer``'s pending stages (none: no-op). Inside a
         capture, always: the replay waits for the copy the previous replay left for this layer."""
         if self.asynchronous and torch.cuda.is_current_stream_capturing():
-            with self.stall():
+            with self.stall(layer):
                 self._wait_ready(self._copied[layer], self._issued[layer], self._timed_out,
                                  WAIT_POLLS)
             return
         if self._pending[layer] is None:
             return
-        with self.stall():
+        with self.stall(layer):
             torch.cuda.current_stream().wait_event(self._pending[layer][2])
         self._pending[layer] = None
 

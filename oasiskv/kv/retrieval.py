@@ -63,7 +63,7 @@ class SyncRetrieval(Retrieval):
         if not self.active:
             self.kv.notify_current(layer, q, rows.slots, tables, rows.complete)
             return
-        with self.kv.probes.stall():
+        with self.kv.stall(layer):
             self.kv.retrieve(layer, q, rows.slots, tables, rows.complete,
                              notify="current" if self.kv.probes.observers else None)
 
@@ -72,7 +72,7 @@ class LookaheadRetrieval(Retrieval):
     def __init__(self, kv: TieredKV, prefetch: str, num_layers: int):
         super().__init__(kv, prefetch)
         probes = kv.probes
-        self.pipeline = PrefetchPipeline(num_layers, kv.device, prefetch == "async", probes.stall,
+        self.pipeline = PrefetchPipeline(num_layers, kv.device, prefetch == "async", kv.stall,
                                          probes.before_copy)
         #: per layer, int64 ``[3, max_seqs * Hk * cap]``: the lookahead fetch's copy list
         #: (``WorkingSet.copy_list`` rows), allocated outside any graph pool: the copy a replay

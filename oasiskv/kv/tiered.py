@@ -16,6 +16,7 @@ stamp on the device (the LRU key): the backend bumps it before each decode step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -105,9 +106,31 @@ class TieredKV:
                                      kernel("sparse_decode_attention", cuda))
         self._gather = kernel("gather_blocks", cuda)
         self.now = torch.zeros((), dtype=torch.long, device=device)  # decode step stamp (LRU key)
-        #: the selection kernel adds hits, misses and admitted blocks here, in this order
-        self.counters = DeviceCounters(("hits", "misses", "fetched_blocks"), device,
+        #: per layer: the selection kernel adds hits, misses and admitted blocks, in this order;
+        #: ``stall`` the foreground's device-clock nanoseconds waiting for retrieval
+        self.counters = DeviceCounters(("hits", "misses", "fetched_blocks", "stall_ns"), device,
                                        rows=layout.num_layers)
+        self._clock = kernel("clock_add", cuda) if config.measure_stall else None
+        if self._clock is not None:
+            with self.stall(0):  # compile the marks now, not first inside a capture
+                pass
+            self.counters.tensor.zero_()
+
+    @contextlib.contextmanager
+    def stall(self, layer: int):
+        """Time the foreground work inside (waiting for, or running in line, ``layer``'s selection
+        and fetch) on the device clock into the layer's ``stall_ns`` counter: clock marks
+        (``kernels/device_clock.py``) before and after it on the stream, in graph replays too.
+        Nothing with ``measure_stall`` off."""
+        if self._clock is None:
+            yield
+            return
+        acc = self.counters.tensor[layer, 3:]
+        self._clock(acc, -1)
+        try:
+            yield
+        finally:
+            self._clock(acc, 1)
 
     # ---- storage ---------------------------------------------------------------------------------
     def make_host_store(self) -> HostStore:

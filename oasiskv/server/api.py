@@ -148,7 +148,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     vocab_size = engine.model_config.vocab_size
     metrics = Metrics(lambda: bridge.stats)
     bridge = AsyncEngine(engine, max_waiting, on_finished=metrics.observe,
-                         on_unfinished=metrics.observe_unfinished)
+                         on_unfinished=metrics.observe_unfinished, on_step=metrics.observe_step)
     serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer,
                             model_name, vocab_size)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)

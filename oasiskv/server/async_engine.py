@@ -93,15 +93,18 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_waiting: int,
                  on_finished: Callable[[RequestOutput], None] | None = None,
-                 on_unfinished: Callable[[str, int], None] | None = None):
+                 on_unfinished: Callable[[str, int], None] | None = None,
+                 on_step: Callable[[EngineStats], None] | None = None):
         """``on_finished(output)`` is told of every finished engine request, ``on_unfinished(why,
-        count)`` of those that ended otherwise: ``aborted`` (the client went away) or ``error``."""
+        count)`` of those that ended otherwise: ``aborted`` (the client went away) or ``error``;
+        ``on_step(stats)`` of the stats after every step (on the engine thread)."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_finished = on_finished
         self.on_unfinished = on_unfinished or (lambda why, count: None)
+        self.on_step = on_step or (lambda stats: None)
         self.stats: EngineStats = dataclasses.replace(engine.stats)  #: snapshot after the last step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # unfinished engine request -> (handle, choice)
@@ -262,6 +265,7 @@ class AsyncEngine:
                 self._apply(cmd)
             if self.engine.has_unfinished():
                 outputs = self.engine.step()
+                self.on_step(self.engine.stats)
                 self._live.difference_update(o.request_id for o in outputs if o.finished)
                 self._post(self._dispatch, [(o.request_id, o) for o in outputs])
         except Exception as exc:

@@ -17,6 +17,14 @@ from oasiskv.engine.llm_engine import EngineStats, RequestOutput
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+_SHARE_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+#: per-step observations of the tiered KV (``StepStats.samples``): histogram name, help, buckets
+_SAMPLE_HISTOGRAMS = {
+    "stall_seconds": ("oasiskv_kv_stall_seconds",
+                      "Tiered KV: per decode step, the foreground's device-clock time waiting for "
+                      "(or running in line) selection and fetch",
+                      (0.0, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)),
+}
 
 
 class _EngineCollector:
@@ -76,6 +84,15 @@ class Metrics:
         self.unfinished = Counter("oasiskv_requests_unfinished",
                                   "Engine requests that ended without finishing: aborted (the "
                                   "client went away) or error", ["reason"], registry=self.registry)
+        self.samples = {key: Histogram(name, doc, buckets=buckets, registry=self.registry)
+                        for key, (name, doc, buckets) in _SAMPLE_HISTOGRAMS.items()}
+
+    def observe_step(self, stats: EngineStats) -> None:
+        """Record the observations of the step just run (``EngineStats.kv_samples``)."""
+        for key, values in stats.kv_samples.items():
+            histogram = self.samples.get(key)
+            for value in values if histogram is not None else ():
+                histogram.observe(value)
 
     def observe_unfinished(self, why: str, count: int) -> None:
         """Engine requests that ended without finishing: ``aborted`` (the client went away) or

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.bench.harness import DeviceStallClock, EmulatedHostStore, emulated_host, oasis_backend
+from oasiskv.bench.harness import EmulatedHostStore, emulated_host, oasis_backend
 from oasiskv.kv import prefetch
 from oasiskv.kv.probes import TierProbes
 from tests.engine.test_oasis import dense_tokens, prompts
@@ -24,35 +24,32 @@ def tiny(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
-def run(llm, batch, params=PARAMS, clock=None):
-    """Token ids and their logprobs per request, plus the summed decode-step counters (and stall
-    time, read from ``clock`` when given)."""
+def run(llm, batch, params=PARAMS):
+    """Token ids and their logprobs per request, plus the summed decode-step counters (the stall
+    time included: the tier's device clock)."""
     engine = llm.engine
     for p in batch:
         engine.add_request(p, params)
     outs, totals = {}, {"fetched_blocks": 0, "decode_rows": 0}
-    if clock is not None:
-        totals["stall_seconds"] = 0.0
+    stall = 0.0  # timing: not compared between runs
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o
-        stall = clock.take() if clock is not None else 0.0
         if not engine.stats.last_step_prefill:
             for key in ("fetched_blocks", "decode_rows"):
                 totals[key] += engine.stats.kv[key]
-            if clock is not None:
-                totals["stall_seconds"] += stall
+            stall += engine.stats.kv["stall_seconds"]
     ordered = [outs[k] for k in sorted(outs, key=lambda r: int(r.split("-")[1]))]
-    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in ordered], totals
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in ordered], totals, stall
 
 
 @pytest.mark.parametrize("draft", ["previous", "ngram"])
 def test_async_and_inline_prefetch_agree_when_blocks_are_fetched(tiny, draft):
     batch = prompts(4, lo=90, hi=200, seed=21)
     kw = dict(kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01, draft=draft)
-    inline, inline_totals = run(LLM(str(tiny), prefetch="inline", **kw), batch)
-    got, totals = run(LLM(str(tiny), prefetch="async", **kw), batch)
+    inline, inline_totals, _ = run(LLM(str(tiny), prefetch="inline", **kw), batch)
+    got, totals, _ = run(LLM(str(tiny), prefetch="async", **kw), batch)
     assert inline_totals["fetched_blocks"] > 0, "the run must fetch blocks during decode"
     assert got == inline and totals == inline_totals
 
@@ -61,7 +58,7 @@ def test_prefetch_off_fetches_nothing_after_seeding(tiny):
     batch = prompts(3, lo=90, hi=200, seed=22)
     llm = LLM(str(tiny), kv_mode="oasis", topk_blocks=3, fetch_ratio=0.34, host_kv_gib=0.01,
               draft="previous", prefetch="off")
-    _, totals = run(llm, batch)
+    _, totals, _ = run(llm, batch)
     assert totals["fetched_blocks"] == 0 and totals["decode_rows"] > 0
     # with every block resident from the start there is nothing to fetch: still exactly dense
     full = LLM(str(tiny), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
@@ -190,24 +187,24 @@ def test_slowed_copy_stage_still_gives_inline_results(cuda_device, fixtures_path
     copy the previous replay left behind), and the stall clock sees that wait."""
     inline_llm = oasis_fixture_llm(fixtures_path, prefetch="inline", enforce_eager=True)
     batch = eval_prompts(fixtures_path, inline_llm, 6, 700)
-    want, totals = run(inline_llm, batch, FIXTURE_PARAMS)
+    want, totals, _ = run(inline_llm, batch, FIXTURE_PARAMS)
     assert totals["fetched_blocks"] > 0
     del inline_llm
-    clock, delay = DeviceStallClock(cuda_device), CopyDelay()
-    slow = oasis_fixture_llm(fixtures_path, TierProbes(stall_clock=clock, before_copy=delay),
+    delay = CopyDelay()
+    slow = oasis_fixture_llm(fixtures_path, TierProbes(before_copy=delay),
                              enforce_eager=enforce_eager)
     pipeline = slow.engine.runner.backend.retrieval.pipeline
     assert pipeline.asynchronous and (slow.engine.runner.graphs is None) == enforce_eager
-    got, totals = run(slow, batch, FIXTURE_PARAMS, clock)
+    got, _, stall = run(slow, batch, FIXTURE_PARAMS)
     assert_same_run(got, want)
     steps = FIXTURE_PARAMS.max_tokens - 1
-    unslowed_stall = totals["stall_seconds"] / steps
+    unslowed_stall = stall / steps
     delay.cycles = 20_000_000
     if not enforce_eager:  # the delay must be inside the graphs: capture again
         slow.engine.runner.graphs._capture()
-    got, totals = run(slow, batch, FIXTURE_PARAMS, clock)
+    got, _, stall = run(slow, batch, FIXTURE_PARAMS)
     assert_same_run(got, want)
-    slowed_stall = totals["stall_seconds"] / steps
+    slowed_stall = stall / steps
     assert slowed_stall > 5e-3 and unslowed_stall < slowed_stall / 5, (unslowed_stall, slowed_stall)
     # control: without the per-layer wait the slowed copy is visible
     kept = []  # (the stages' tensors stay referenced: only the ordering is broken)
@@ -249,14 +246,14 @@ def test_a_copy_that_never_arrives_fails_its_step_instead_of_hanging(cuda_device
 def test_cuda_graph_oasis_decode_equals_eager(cuda_device, fixtures_path, draft):
     eager = oasis_fixture_llm(fixtures_path, draft=draft, enforce_eager=True)
     batch = eval_prompts(fixtures_path, eager, 6, 700, seed=2)
-    want, totals = run(eager, batch, FIXTURE_PARAMS)
+    want, totals, _ = run(eager, batch, FIXTURE_PARAMS)
     del eager
     graphs = oasis_fixture_llm(fixtures_path, draft=draft)
     runner = graphs.engine.runner.graphs
     assert runner is not None and (runner.rows_per_seq == 2) == (draft == "ngram")
     replays, real_run = [], runner.run
     runner.run = lambda batch: replays.append(batch.num_tokens) or real_run(batch)
-    got, graph_totals = run(graphs, batch, FIXTURE_PARAMS)
+    got, graph_totals, _ = run(graphs, batch, FIXTURE_PARAMS)
     assert len(replays) >= FIXTURE_PARAMS.max_tokens - 2, "decode steps must replay graphs"
     if draft == "ngram":
         assert all(n == 2 * len(batch) for n in replays[:1]), \

@@ -33,6 +33,8 @@ def test_oasis_server_exports_tiered_kv_metrics(tmp_path):
         assert len(layers) == 2 and sum(layers) == m["oasiskv_kv_fetched_blocks_total"]
         assert "oasiskv_kv_admissions_refused_host_blocks_total" in m
         assert m["oasiskv_kv_draft_guesses_total"] > 0
+        # the foreground stall, per decode step, from the tier's clock marks
+        assert m["oasiskv_kv_stall_seconds_count"] >= 23 and m["oasiskv_kv_stall_seconds_sum"] >= 0
         # a request its client leaves is counted too
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={"prompt": prompt, "max_tokens": 200, "stream": True}) as r:
