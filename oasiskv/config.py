@@ -147,11 +147,16 @@ class TierConfig:
                          "the foreground stream), off (never after seeding: the foreground's cost "
                          "alone, for measurements)")
 
+    guardrail_rate: float = _opt(0.0, "oasis: online fidelity guardrail: the share of decode rows "
+                                 "per step measured (at one random layer) against exact attention "
+                                 "over their whole context; 0 = off")
     measure_stall: bool = _opt(True, "oasis: time the foreground's waits for retrieval on the "
                                "device clock (two one-program kernels per layer) for the stall "
                                "metrics")
 
     def __post_init__(self):
+        if not 0.0 <= self.guardrail_rate <= 1.0:
+            raise ValueError(f"guardrail_rate must be in [0, 1], got {self.guardrail_rate}")
         if self.topk_blocks < 1 or not 0.0 < self.fetch_ratio <= 1.0 or self.host_kv_gib < 0:
             raise ValueError("topk_blocks must be >= 1, fetch_ratio in (0, 1], host_kv_gib >= 0")
         kind, _, path = self.draft.partition(":")

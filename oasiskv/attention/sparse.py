@@ -31,6 +31,7 @@ from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kernels.fp8 import storage_dtype
 from oasiskv.kv.allocator import TieredAllocator
+from oasiskv.kv.guardrail import Guardrail
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.lookahead import Lookahead
 from oasiskv.kv.probes import TierProbes
@@ -55,6 +56,8 @@ class SparseBackend(AttentionBackend):
         layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                               tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype))
         self.kv = TieredKV(layout, tier, device, probes or TierProbes())
+        self.guardrail = Guardrail(self.kv, tier.guardrail_rate)
+        self._q_heads, self._dtype = cfg.num_heads, dtype
         # observers read each step's scores on the host: such an engine never captures graphs
         self.supports_cuda_graphs = not self.kv.probes.observers
         self.lookahead: Lookahead | None = None
@@ -82,7 +85,9 @@ class SparseBackend(AttentionBackend):
         drafter_per_seq = drafter.bytes_per_seq(max_len) if drafter else 0
         drafter_fixed = drafter.fixed_bytes() if drafter else 0
         summary_bytes = host.num_blocks * lay.summary_bytes_per_block
-        per_seq, fixed = lay.working_set_bytes + drafter_per_seq, summary_bytes + drafter_fixed
+        taps = self.guardrail.allocate(self.config.max_num_seqs, self._dtype, self._q_heads)
+        per_seq = lay.working_set_bytes + drafter_per_seq
+        fixed = summary_bytes + drafter_fixed + taps
         budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes
         # one working set more than the slots handed out: the scratch slot of graph padding rows
         slots = min(self.config.max_num_seqs, (budget - fixed) // per_seq - 1)
@@ -134,6 +139,7 @@ class SparseBackend(AttentionBackend):
             return plan
         self.kv.now += 1
         self._decode_rows += len(batch)
+        self.guardrail.pick(batch.seqs, [len(seq) - 1 for seq in batch.seqs])
         if self.lookahead is not None:
             plan.extra_ids, plan.extra_positions, rows = self.lookahead.draft_rows(batch)
             if rows:
@@ -168,6 +174,7 @@ class SparseBackend(AttentionBackend):
         kv.store_local(layer, k[:n], v[:n], step.rows)
         self.retrieval.before_attention(layer, q[:n], step.rows, tables)
         out = kv.attend(layer, q, k, v, step, scale)
+        self.guardrail.tap(layer, q[:n], step.rows, scale)
         kv.complete_local_blocks(layer, step.rows)
         # step t+1's working set: chosen by the draft rows' queries (the real ones where no guess)
         q_next = q[:n] if step.draft_of is None else q[:n].index_copy(0, step.draft_of, q[n:])
@@ -181,6 +188,7 @@ class SparseBackend(AttentionBackend):
         counters["stall_seconds"] = counters.pop("stall_ns") / 1e9
         samples = ({"stall_seconds": [counters["stall_seconds"]]}
                    if self.kv.config.measure_stall and not batch.is_prefill else {})
+        samples |= self.guardrail.measure()
         counters["deferred"] = counters["misses"] - counters["fetched_blocks"]
         counters["fetched_bytes"] = 2 * counters["fetched_blocks"] * lay.slice_bytes
         counters["decode_rows"], self._decode_rows = self._decode_rows, 0

@@ -15,6 +15,11 @@ then picks from the same summaries (mean over heads of |predicted & true| / |tru
 ``previous`` (the current query predicts the next), ``ngram``, ``model:PATH``, ``eagle3:PATH``
 and ``oracle`` (the true next token: the upper bound).
 
+With ``--guardrail`` the capped and lookahead runs carry the online guardrail at rate 1 (every
+decoded position measured at one random layer: the share of exact attention mass the working set
+held, ``kv/guardrail.py``), and a second table says how top-1 agreement with dense falls with that
+recall, by recall bucket: whether the online metric predicts disagreement.
+
 Every run goes through ``LLMEngine.step(forced=...)``, the engine's teacher-forcing step; the
 set-agreement observer and the oracle drafter are attached through the backend factory.
 """
@@ -47,6 +52,7 @@ class Run:
     draft_hit_rate: float | None = None
     set_agreement: list[float] | None = None
     cap_fill: dict | None = None  # tiered runs: admitted blocks / what the fetch cap allows
+    recall: list[list[float | None]] | None = None  # guardrail: per window and decoded position
 
 
 class CapFill:
@@ -92,6 +98,9 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-k", type=int, default=32, help="K of the lookahead runs")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--guardrail", action="store_true",
+                        help="measure attention recall online (guardrail rate 1) in the capped "
+                             "and lookahead runs, and tabulate top-1 agreement by recall")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="K/V storage of every run but the reference dense one: auto or fp8 "
                              "(then a 'dense fp8' run is added)")
@@ -158,6 +167,10 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
     if oracle is not None:
         oracle.forced = forced
     nll, greedy = {rid: [] for rid in forced}, {rid: [] for rid in forced}
+    guardrail = getattr(engine.runner.backend, "guardrail", None)
+    measured = guardrail is not None and guardrail.active
+    recall = {rid: [None] * last for rid in forced}
+    first = {rid: len(w) - last for rid, w in zip(forced, wins)}  # the first scored position
     hits = tries = 0
     fill = CapFill()
     progress = tqdm(total=last * len(wins), desc=setting[:40], unit="tok", file=sys.stderr,
@@ -173,10 +186,14 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
         hits += engine.stats.kv.get("draft_hits", 0)
         tries += engine.stats.kv.get("draft_guesses", 0)
         fill.add(engine.stats)
+        if measured and engine.stats.kv_samples.get("guardrail_recall"):
+            for rid, pos, _, share, _ in guardrail.last:  # the position predicts token pos + 1
+                recall[rid][pos + 1 - first[rid]] = share
     progress.close()
     losses = [x for rid in forced for x in nll[rid]]
     return Run(setting, sum(losses) / len(losses), [greedy[rid] for rid in forced],
-               hits / tries if tries else None, cap_fill=fill.summary())
+               hits / tries if tries else None, cap_fill=fill.summary(),
+               recall=[recall[rid] for rid in forced] if measured else None)
 
 
 def evaluate(args: argparse.Namespace) -> list[Run]:
@@ -196,7 +213,8 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
     for k in (int(x) for x in args.topk_blocks.split(",")):
         for ratio in (1.0, args.fetch_ratio):
             engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,
-                               host_kv_gib=host_gib)
+                               host_kv_gib=host_gib,
+                               guardrail_rate=1.0 if args.guardrail and ratio < 1.0 else 0.0)
             label = f"oasis{suffix} K={k} " + ("no cap" if ratio == 1.0 else f"cap f={ratio}")
             runs.append(teacher_forced(engine, wins, args.last, label))
             _free(engine)
@@ -212,7 +230,8 @@ def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec
     oracle = OracleDrafter() if spec == "oracle" else None
     config = EngineConfig.from_flat(**base, kv_mode="oasis", topk_blocks=args.draft_k,
                                     fetch_ratio=args.fetch_ratio, host_kv_gib=host_gib,
-                                    draft="previous" if oracle else spec)
+                                    draft="previous" if oracle else spec,
+                                    guardrail_rate=1.0 if args.guardrail else 0.0)
     agreement = SetAgreement(ModelConfig.from_file(Path(args.model) / "config.json").num_layers)
     engine = LLMEngine(config,
                        backend_factory=oasis_backend(TierProbes(observers=[agreement]), oracle))
@@ -262,9 +281,36 @@ def run_from_args(args: argparse.Namespace) -> int:
                                                                               "p90"))
         print(f"{run.setting:34} {run.loss:7.4f} {run.loss - dense.loss:+9.4f} "
               f"{same / total:14.3f} {fills:>26}{extra}")
+    by_recall = recall_table(runs, dense)
+    if by_recall:
+        print("\ntop-1 = dense by guardrail recall (the measured layer's attention mass inside "
+              "the working set; every run with --guardrail pooled)")
+        print(f"{'recall':>12} {'positions':>10} {'top-1 = dense':>14}")
+        for row in by_recall:
+            print(f"{row['recall']:>12} {row['positions']:>10} {row['top1_agreement']:14.3f}")
     print(json.dumps({"windows": args.windows, "window_len": args.window_len, "last": args.last,
-                      "runs": rows}))
+                      "runs": rows, "top1_by_recall": by_recall}))
     return 0
+
+
+RECALL_BUCKETS = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0001)
+
+
+def recall_table(runs: list[Run], dense: Run) -> list[dict]:
+    """Top-1 agreement with dense of every measured position, pooled over the runs with recall,
+    by recall bucket (empty buckets left out)."""
+    counts = [[0, 0] for _ in RECALL_BUCKETS[:-1]]
+    for run in runs:
+        for recalls, got, want in zip(run.recall or (), run.top1, dense.top1):
+            for share, a, b in zip(recalls, got, want):
+                if share is None:
+                    continue
+                i = next(j for j in range(len(counts)) if share < RECALL_BUCKETS[j + 1])
+                counts[i][0] += 1
+                counts[i][1] += a == b
+    return [{"recall": f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}",
+             "positions": n, "top1_agreement": same / n}
+            for (lo, hi), (n, same) in zip(zip(RECALL_BUCKETS, RECALL_BUCKETS[1:]), counts) if n]
 
 
 if __name__ == "__main__":

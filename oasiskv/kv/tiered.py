@@ -161,7 +161,7 @@ class TieredKV:
         summaries of the blocks the step completed, and seeding where the step ends a prefill."""
         B, step = self.layout.block_size, batch.meta
         out = prefill_attention(q, k, v, batch, scale,
-                                lambda i, n: self._host_prefix(layer, batch, i, n))
+                                lambda i, n: self.host_kv(layer, batch.block_tables[i], n))
         end = 0
         for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
             end += n
@@ -171,12 +171,13 @@ class TieredKV:
                 self._seed(layer, q[end - 1], table, prefix + n, step.slots[i:i + 1])
         return out
 
-    def _host_prefix(self, layer: int, batch: ForwardBatch, row: int, length: int):
-        """K, V of a sequence's first ``length`` tokens, ``[Hk, length, D]``, gathered from the host
-        store straight into device memory (UVA on CUDA: no copy through the CPU)."""
+    def host_kv(self, layer: int, table: torch.Tensor, length: int):
+        """K, V at ``layer`` of a sequence's first ``length`` tokens, ``[Hk, length, D]`` in the
+        model's dtype, from the host blocks ``table`` names (``[>= ceil(length / B)]``), gathered
+        from the host store straight into device memory (UVA on CUDA: no copy through the CPU)."""
         lay = self.layout
         heads, B, D = lay.num_kv_heads, lay.block_size, lay.head_dim
-        blocks = batch.block_tables[row, : -(-length // B)].long()
+        blocks = table[: -(-length // B)].long()
         n = blocks.shape[0]
         k, v, scales = empty_kv((n * heads, B, D), lay.storage_dtype, self.device)
         head = torch.arange(heads, device=self.device).repeat(n)

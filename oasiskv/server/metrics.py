@@ -24,6 +24,14 @@ _SAMPLE_HISTOGRAMS = {
                       "Tiered KV: per decode step, the foreground's device-clock time waiting for "
                       "(or running in line) selection and fetch",
                       (0.0, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)),
+    "guardrail_recall": ("oasiskv_guardrail_attention_recall",
+                         "Guardrail (--guardrail-rate): per sampled (request, layer, step), the "
+                         "share of exact attention mass on the tokens the working set held",
+                         _SHARE_BUCKETS),
+    "guardrail_rel_error": ("oasiskv_guardrail_output_rel_error",
+                            "Guardrail: per sampled (request, layer, step), the relative error of "
+                            "the attention output over the working set against exact attention",
+                            (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)),
 }
 
 

@@ -230,10 +230,11 @@ def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
     out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval",
                           str(DEMO_MODEL), "--text", str(text), "--windows", "2",
                           "--window-len", "256", "--last", "24",
-                          "--topk-blocks", "2,16", "--fetch-ratio", "0.5"],
+                          "--topk-blocks", "2,16", "--fetch-ratio", "0.5", "--guardrail"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    runs = {r["setting"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["runs"]}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = {r["setting"]: r for r in result["runs"]}
     assert set(runs) == {"dense", "oasis K=2 no cap", "oasis K=2 cap f=0.5", "oasis K=16 no cap",
                          "oasis K=16 cap f=0.5"}
     assert runs["oasis K=16 no cap"]["top1_agreement"] == 1.0
@@ -242,6 +243,14 @@ def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
     capped = runs["oasis K=2 cap f=0.5"]["cap_fill"]  # cap 1 block per head per layer per step
     assert 0 < capped["mean"] <= 1 and capped["p10"] <= capped["p50"] <= capped["p90"] <= 1
     assert len(capped["per_layer"]) == 2 and 0 < min(capped["per_layer"])
+    # the guardrail's recall table: every decoded position of the two capped runs, each measured
+    # once (23 per window: the first prediction comes from the prefill), pooled by recall; K=16
+    # holds every block of a 256-token window, so its positions all land in the top bucket
+    table = result["top1_by_recall"]
+    assert sum(row["positions"] for row in table) == 2 * 2 * 23
+    assert table[-1]["recall"] == "[0.99, 1.00]" and table[-1]["positions"] >= 2 * 23
+    assert all(0 <= row["top1_agreement"] <= 1 for row in table)
+    assert "top-1 = dense by guardrail recall" in out.stdout
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

@@ -11,7 +11,8 @@ from tests.server.server_process import ServerProcess
 
 def test_oasis_server_exports_tiered_kv_metrics(tmp_path):
     server = ServerProcess(tmp_path / "oasis.log", "--kv-mode", "oasis", "--topk-blocks", "2",
-                           "--fetch-ratio", "0.5", "--host-kv-gib", "0.01", "--draft", "ngram")
+                           "--fetch-ratio", "0.5", "--host-kv-gib", "0.01", "--draft", "ngram",
+                           "--guardrail-rate", "0.5")
     try:
         prompt = "def add(a, b):\n    return a + b\n\n" * 30
         resp = httpx.post(server.url + "/v1/completions", timeout=120,
@@ -35,6 +36,10 @@ def test_oasis_server_exports_tiered_kv_metrics(tmp_path):
         assert m["oasiskv_kv_draft_guesses_total"] > 0
         # the foreground stall, per decode step, from the tier's clock marks
         assert m["oasiskv_kv_stall_seconds_count"] >= 23 and m["oasiskv_kv_stall_seconds_sum"] >= 0
+        # the guardrail: about half the decode rows measured, recall a share, error positive
+        count = m["oasiskv_guardrail_attention_recall_count"]
+        assert 4 <= count <= 20 and m["oasiskv_guardrail_output_rel_error_count"] == count
+        assert 0 < m["oasiskv_guardrail_attention_recall_sum"] <= count
         # a request its client leaves is counted too
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={"prompt": prompt, "max_tokens": 200, "stream": True}) as r:

@@ -1,0 +1,136 @@
+"""Guardrail: online fidelity of tiered decode (``--guardrail-rate R``; off at 0).
+
+Each decode step, every sequence row is sampled with probability R (host RNG, at ``prepare``); a
+sampled row is measured at one layer drawn uniformly, so a fraction R / num_layers of the (request,
+layer, step) triples is measured. Every decode step writes taps (inside captured graphs too): per
+layer, the rows' queries and the block slots each kv head attended (``tap``, after attention and
+before the lookahead selection rewrites them). After the step (``measure``) each sampled row's
+query is compared with exact attention over the row's whole context at that layer, read from the
+host store:
+
+- attention recall: the share of the exact attention mass (mean over the query heads) that falls on
+  tokens the row attended (its kv head's resident blocks plus its local block);
+- output relative error: ``|o_ws - o| / |o|`` over the row's heads, o the exact attention output and
+  o_ws the attention renormalised over the attended tokens (what sparse decode computed).
+
+On CUDA the measurement runs on a side stream and is read at the next step's ``measure`` (so a
+sample whose request ends, and whose host blocks a new prompt overwrites within that step, may read
+the new contents; rare, and it only touches the measurement). Cost: with R > 0, two small copies
+per layer per step (the taps); per sampled row, one layer's K and V of its context over PCIe (32K
+tokens, 8 kv heads, bf16: 134 MB) and a dense attention of one query. Results: ``StepStats.samples``
+``guardrail_recall`` and ``guardrail_rel_error`` (histograms on /metrics), and ``last``: (request
+id, position, layer, recall, relative error) per sample of the latest measurement, for harnesses.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from oasiskv.kv.tiered import DecodeRows, TieredKV
+
+
+class Guardrail:
+    def __init__(self, kv: TieredKV, rate: float, seed: int = 0):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"guardrail rate must be in [0, 1], got {rate}")
+        self.kv, self.rate = kv, rate
+        self._rng = random.Random(seed)
+        self._q: torch.Tensor | None = None  # [L, rows, Hq, D]
+        self._maps: torch.Tensor | None = None  # [L, rows, Hk, K]
+        self._scale = 1.0
+        self._picked: list[tuple] = []  # (row, layer, request id, position, host blocks)
+        self._pending: tuple | None = None  # (event, results [n, 2], meta) on the side stream
+        self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
+        self.last: list[tuple[str, int, int, float, float]] = []
+
+    @property
+    def active(self) -> bool:
+        return self.rate > 0
+
+    def allocate(self, max_rows: int, q_dtype: torch.dtype, num_q_heads: int) -> int:
+        """The tap buffers for up to ``max_rows`` decode rows; returns their bytes (0 when off)."""
+        if not self.active:
+            return 0
+        lay = self.kv.layout
+        self._q = torch.zeros((lay.num_layers, max_rows, num_q_heads, lay.head_dim),
+                              dtype=q_dtype, device=self.kv.device)
+        self._maps = torch.full((lay.num_layers, max_rows, lay.num_kv_heads, lay.topk_blocks), -1,
+                                dtype=torch.int32, device=self.kv.device)
+        return self._q.numel() * self._q.element_size() + self._maps.numel() * 4
+
+    def pick(self, seqs: list, positions: list[int]) -> None:
+        """Sample this decode step's rows (``seqs`` with the positions they compute)."""
+        self._picked = []
+        if not self.active:
+            return
+        B, layers = self.kv.layout.block_size, self.kv.layout.num_layers
+        for row, (seq, pos) in enumerate(zip(seqs, positions)):
+            if self._rng.random() < self.rate:
+                self._picked.append((row, self._rng.randrange(layers), seq.request_id, pos,
+                                     list(seq.block_table[: pos // B + 1])))
+
+    def tap(self, layer: int, q: torch.Tensor, rows: DecodeRows, scale: float) -> None:
+        """Keep ``layer``'s queries ``[N, Hq, D]`` and the blocks each row's heads attended."""
+        if not self.active:
+            return
+        n, K = q.shape[0], self.kv.layout.topk_blocks
+        self._scale = scale
+        self._q[layer, :n].copy_(q)
+        self._maps[layer, :n].copy_(self.kv.ws.map[layer][rows.slots, :, :K])
+
+    def measure(self) -> dict[str, list[float]]:
+        """Measure this step's sampled rows (on the side stream on CUDA); returns the samples of
+        the measurement that finished (this one on CPU, the previous one on CUDA)."""
+        done = self._collect()
+        if self._picked:
+            picked, self._picked = self._picked, []
+            rows = torch.tensor([p[0] for p in picked], device=self.kv.device)
+            layers = torch.tensor([p[1] for p in picked], device=self.kv.device)
+            q, maps = self._q[layers, rows].clone(), self._maps[layers, rows].clone()
+            if self._stream is None:
+                self._pending = (None, self._exact(picked, q, maps), picked)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._stream):
+                    results = self._exact(picked, q, maps)
+                    event = torch.cuda.Event()
+                    event.record()
+                q.record_stream(self._stream), maps.record_stream(self._stream)
+                self._pending = (event, results, picked)
+            if self._stream is None:
+                done = self._collect()
+        return done
+
+    def _collect(self) -> dict[str, list[float]]:
+        if self._pending is None:
+            return {}
+        event, results, picked = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        values = results.tolist()
+        self.last = [(p[2], p[3], p[1], r, e) for p, (r, e) in zip(picked, values)]
+        return {"guardrail_recall": [r for r, _ in values],
+                "guardrail_rel_error": [e for _, e in values]}
+
+    def _exact(self, picked: list, q: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, 2]``: (recall, relative error) of each picked row."""
+        lay, B = self.kv.layout, self.kv.layout.block_size
+        out = torch.empty((len(picked), 2), dtype=torch.float32, device=q.device)
+        for i, (_, layer, _, pos, table) in enumerate(picked):
+            length = pos + 1
+            blocks = torch.tensor(table, dtype=torch.int32, device=q.device)
+            k, v = (x.float() for x in self.kv.host_kv(layer, blocks, length))  # [Hk, T, D]
+            heads = lay.num_kv_heads
+            qh = q[i].float().view(heads, -1, lay.head_dim)                    # [Hk, G, D]
+            probs = torch.softmax(qh @ k.transpose(1, 2) * self._scale, dim=-1)  # [Hk, G, T]
+            block_of = torch.arange(length, device=q.device) // B
+            held = (block_of[None, :, None] == maps[i].long()[:, None, :]).any(-1)
+            held |= block_of[None, :] == pos // B                             # the local block
+            mass = (probs * held[:, None, :]).sum(-1)                          # [Hk, G]
+            exact = probs @ v
+            sparse = (probs * held[:, None, :]) @ v / mass.clamp_min(1e-30)[..., None]
+            out[i, 0] = mass.mean()
+            out[i, 1] = (sparse - exact).norm() / exact.norm().clamp_min(1e-30)
+        return out

@@ -1,0 +1,76 @@
+"""The online fidelity guardrail (``guardrail_rate``): sampled rows measured against exact attention
+over their whole context. With K covering every block the working set is the context: recall 1 and
+no output error; with a small K both move, and low recall comes with large output error; the
+sampling rate holds; off, nothing is tapped. GPU: the same inside CUDA graphs (side stream)."""
+import pytest
+
+from oasiskv import LLM, SamplingParams
+from tests.engine.test_oasis import prompts
+from tests.helpers import write_tiny_checkpoint
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def run(llm, batch):
+    """Every guardrail sample of the run: (recall, relative error), and the decode rows run."""
+    engine, samples, rows = llm.engine, [], 0
+    for p in batch:
+        engine.add_request(p, PARAMS)
+    while engine.has_unfinished():
+        engine.step()
+        s = engine.stats
+        rows += 0 if s.last_step_prefill else s.last_batch_size
+        samples += zip(s.kv_samples.get("guardrail_recall", []),
+                       s.kv_samples.get("guardrail_rel_error", []))
+    return samples, rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m"), "qwen3")
+
+
+def test_k_covering_every_block_has_full_recall_and_no_error(tiny):
+    llm = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=64, fetch_ratio=1.0,
+              guardrail_rate=1.0)
+    samples, rows = run(llm, prompts(3, lo=100, hi=180, seed=5))
+    assert len(samples) == rows > 0  # rate 1: every decode row, each at one layer
+    assert all(abs(r - 1) < 1e-5 and e < 1e-5 for r, e in samples), samples[:3]
+    layers = {layer for _, _, layer, _, _ in llm.engine.runner.backend.guardrail.last}
+    assert layers <= set(range(llm.engine.model_config.num_layers))
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_a_small_working_set_loses_mass_and_the_error_follows(tiny, draft):
+    llm = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=2, fetch_ratio=0.5,
+              draft=draft, guardrail_rate=1.0)
+    samples, rows = run(llm, prompts(3, lo=150, hi=200, seed=6))
+    assert len(samples) == rows
+    recall = sorted(samples)
+    assert all(0 < r < 1 and e > 0 for r, e in recall)
+    # (random weights spread attention: little mass in 3 of ~10 blocks)
+    low, high = recall[: len(recall) // 3], recall[-len(recall) // 3:]
+    assert sum(e for _, e in low) / len(low) > sum(e for _, e in high) / len(high)
+
+
+def test_rate_samples_that_share_of_rows_and_zero_taps_nothing(tiny):
+    llm = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=2, guardrail_rate=0.3)
+    samples, rows = run(llm, prompts(6, lo=100, hi=120, seed=7))
+    assert 0.1 * rows < len(samples) < 0.5 * rows
+    off = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=2)
+    samples, rows = run(off, prompts(2, lo=100, hi=120, seed=7))
+    assert samples == [] and rows > 0 and off.engine.runner.backend.guardrail._q is None
+    with pytest.raises(ValueError, match="guardrail_rate"):
+        LLM(str(tiny), kv_mode="oasis", guardrail_rate=1.5)
+
+
+@pytest.mark.gpu
+def test_guardrail_in_graph_replays(cuda_device, fixtures_path):
+    """Fixture target, graphs on, lookahead async: K covering every block gives recall 1 (taps
+    written by the replays, measured on the side stream)."""
+    llm = LLM(str(fixtures_path / "target"), dtype="float32", kv_mode="oasis", topk_blocks=64,
+              fetch_ratio=1.0, host_kv_gib=0.5, draft="ngram", guardrail_rate=1.0)
+    assert llm.engine.runner.graphs is not None
+    samples, rows = run(llm, prompts(4, vocab=1000, lo=300, hi=400, seed=8))
+    assert len(samples) >= rows - 4  # the last step's measurement is read at the next step
+    assert all(abs(r - 1) < 1e-4 and e < 1e-3 for r, e in samples), samples[:3]
