@@ -16,9 +16,10 @@ then picks from the same summaries (mean over heads of |predicted & true| / |tru
 and ``oracle`` (the true next token: the upper bound).
 
 With ``--guardrail`` the capped and lookahead runs carry the online guardrail at rate 1 (every
-decoded position measured at one random layer: the share of exact attention mass the working set
-held, ``kv/guardrail.py``), and a second table says how top-1 agreement with dense falls with that
-recall, by recall bucket: whether the online metric predicts disagreement.
+decoded position measured at every layer: the share of exact attention mass the working set held,
+``kv/guardrail.py``), and a second table says how top-1 agreement with dense goes with that recall
+(a position's mean over layers, and its lowest layer), by recall bucket: whether the online metric
+predicts disagreement. (Served, the guardrail measures one random layer per sampled row.)
 
 Every run goes through ``LLMEngine.step(forced=...)``, the engine's teacher-forcing step; the
 set-agreement observer and the oracle drafter are attached through the backend factory.
@@ -52,7 +53,7 @@ class Run:
     draft_hit_rate: float | None = None
     set_agreement: list[float] | None = None
     cap_fill: dict | None = None  # tiered runs: admitted blocks / what the fetch cap allows
-    recall: list[list[float | None]] | None = None  # guardrail: per window and decoded position
+    recall: list[list[list[float]]] | None = None  # guardrail: per window, position, layer
 
 
 class CapFill:
@@ -169,7 +170,9 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
     nll, greedy = {rid: [] for rid in forced}, {rid: [] for rid in forced}
     guardrail = getattr(engine.runner.backend, "guardrail", None)
     measured = guardrail is not None and guardrail.active
-    recall = {rid: [None] * last for rid in forced}
+    if measured:
+        guardrail.every_layer = True
+    recall = {rid: [[] for _ in range(last)] for rid in forced}  # per position: every layer's
     first = {rid: len(w) - last for rid, w in zip(forced, wins)}  # the first scored position
     hits = tries = 0
     fill = CapFill()
@@ -188,7 +191,7 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
         fill.add(engine.stats)
         if measured and engine.stats.kv_samples.get("guardrail_recall"):
             for rid, pos, _, share, _ in guardrail.last:  # the position predicts token pos + 1
-                recall[rid][pos + 1 - first[rid]] = share
+                recall[rid][pos + 1 - first[rid]].append(share)
     progress.close()
     losses = [x for rid in forced for x in nll[rid]]
     return Run(setting, sum(losses) / len(losses), [greedy[rid] for rid in forced],
@@ -281,13 +284,20 @@ def run_from_args(args: argparse.Namespace) -> int:
                                                                               "p90"))
         print(f"{run.setting:34} {run.loss:7.4f} {run.loss - dense.loss:+9.4f} "
               f"{same / total:14.3f} {fills:>26}{extra}")
-    by_recall = recall_table(runs, dense)
-    if by_recall:
-        print("\ntop-1 = dense by guardrail recall (the measured layer's attention mass inside "
-              "the working set; every run with --guardrail pooled)")
-        print(f"{'recall':>12} {'positions':>10} {'top-1 = dense':>14}")
-        for row in by_recall:
-            print(f"{row['recall']:>12} {row['positions']:>10} {row['top1_agreement']:14.3f}")
+    by_recall = {how: recall_table(runs, dense, how) for how in ("mean", "min")}
+    if by_recall["mean"]:
+        print("\ntop-1 = dense by guardrail recall (a position's attention mass inside the working "
+              "set, over layers; the runs with --guardrail pooled)")
+        print(f"{'recall':>12} {'mean: positions':>16} {'top-1 = dense':>14} "
+              f"{'lowest layer: positions':>24} {'top-1 = dense':>14}")
+        tables = {how: {row["recall"]: row for row in rows} for how, rows in by_recall.items()}
+        buckets = sorted(set(tables["mean"]) | set(tables["min"]))
+        for bucket in buckets:
+            cells = [f"{row['positions']:>{w}} {row['top1_agreement']:14.3f}" if row else
+                     f"{'-':>{w}} {'-':>14}"
+                     for row, w in ((tables["mean"].get(bucket), 16),
+                                    (tables["min"].get(bucket), 24))]
+            print(f"{bucket:>12} {cells[0]} {cells[1]}")
     print(json.dumps({"windows": args.windows, "window_len": args.window_len, "last": args.last,
                       "runs": rows, "top1_by_recall": by_recall}))
     return 0
@@ -296,15 +306,18 @@ def run_from_args(args: argparse.Namespace) -> int:
 RECALL_BUCKETS = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0001)
 
 
-def recall_table(runs: list[Run], dense: Run) -> list[dict]:
+def recall_table(runs: list[Run], dense: Run, how: str) -> list[dict]:
     """Top-1 agreement with dense of every measured position, pooled over the runs with recall,
-    by recall bucket (empty buckets left out)."""
+    by bucket of the position's recall over layers (``how``: mean or min; empty buckets left
+    out)."""
     counts = [[0, 0] for _ in RECALL_BUCKETS[:-1]]
+    reduce = {"mean": lambda xs: sum(xs) / len(xs), "min": min}[how]
     for run in runs:
         for recalls, got, want in zip(run.recall or (), run.top1, dense.top1):
-            for share, a, b in zip(recalls, got, want):
-                if share is None:
+            for shares, a, b in zip(recalls, got, want):
+                if not shares:
                     continue
+                share = reduce(shares)
                 i = next(j for j in range(len(counts)) if share < RECALL_BUCKETS[j + 1])
                 counts[i][0] += 1
                 counts[i][1] += a == b

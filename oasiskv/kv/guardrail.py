@@ -2,9 +2,10 @@
 
 Each decode step, every sequence row is sampled with probability R (host RNG, at ``prepare``); a
 sampled row is measured at one layer drawn uniformly, so a fraction R / num_layers of the (request,
-layer, step) triples is measured. Every decode step writes taps (inside captured graphs too): per
-layer, the rows' queries and the block slots each kv head attended (``tap``, after attention and
-before the lookahead selection rewrites them). After the step (``measure``) each sampled row's
+layer, step) triples is measured (``every_layer``, for harnesses such as the eval: at every
+layer). Every decode step writes taps (inside captured graphs too): per layer, the rows' queries
+and the block slots each kv head attended (``tap``, after attention and before the lookahead
+selection rewrites them). After the step (``measure``) each sampled row's
 query is compared with exact attention over the row's whole context at that layer, read from the
 host store:
 
@@ -35,6 +36,7 @@ class Guardrail:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"guardrail rate must be in [0, 1], got {rate}")
         self.kv, self.rate = kv, rate
+        self.every_layer = False
         self._rng = random.Random(seed)
         self._q: torch.Tensor | None = None  # [L, rows, Hq, D]
         self._maps: torch.Tensor | None = None  # [L, rows, Hk, K]
@@ -67,8 +69,9 @@ class Guardrail:
         B, layers = self.kv.layout.block_size, self.kv.layout.num_layers
         for row, (seq, pos) in enumerate(zip(seqs, positions)):
             if self._rng.random() < self.rate:
-                self._picked.append((row, self._rng.randrange(layers), seq.request_id, pos,
-                                     list(seq.block_table[: pos // B + 1])))
+                table = list(seq.block_table[: pos // B + 1])
+                for layer in range(layers) if self.every_layer else [self._rng.randrange(layers)]:
+                    self._picked.append((row, layer, seq.request_id, pos, table))
 
     def tap(self, layer: int, q: torch.Tensor, rows: DecodeRows, scale: float) -> None:
         """Keep ``layer``'s queries ``[N, Hq, D]`` and the blocks each row's heads attended."""
