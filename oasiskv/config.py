@@ -191,6 +191,10 @@ class EngineConfig:
                                          "after a warm-up)")
     num_kv_blocks: int = _opt(0, "KV pool size in blocks; 0 = size from memory (GPU) or 4 GiB "
                               "(CPU)")
+    cpu_threads: int = _opt(0, "CPU only: intra-op threads per step; 0 = auto: one for decode "
+                            "steps under 16 tokens (too small to split, and a second thread only "
+                            "waits when another process holds a core), every usable core for "
+                            "larger steps")
     enforce_eager: bool = _opt(False, "disable CUDA-graph capture of decode")
     max_graph_batch: int = _opt(256, "largest decode batch captured in a CUDA graph")
     seed: int = _opt(0, "seed for random sampling of requests without their own seed")

@@ -43,3 +43,35 @@ def test_help_shows_defaults_and_no_markup(capsys):
         build_parser().parse_args(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "tokens to generate (default: 64)" in text and "0 = greedy (default: 0)" in text
+
+
+def test_cpu_threads_one_for_small_steps_every_core_for_large_ones():
+    import os
+
+    import torch
+
+    from oasiskv import LLM, SamplingParams
+    from oasiskv.engine.model_runner import SMALL_STEP_TOKENS, cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads(0, 1) == cpu_threads(0, SMALL_STEP_TOKENS - 1) == 1
+    assert cpu_threads(0, SMALL_STEP_TOKENS) == cores and cpu_threads(3, 1) == 3
+    def threads_per_step(llm, prompt):
+        """(tokens, intra-op threads) of each forward of a generation."""
+        seen, forward = [], llm.engine.runner.model.forward
+
+        def spy(*args, **kw):
+            seen.append((args[0].shape[0], torch.get_num_threads()))
+            return forward(*args, **kw)
+
+        llm.engine.runner.model.forward = spy
+        llm.generate([prompt], SamplingParams(max_tokens=3))
+        return seen
+
+    before = torch.get_num_threads()
+    try:
+        seen = threads_per_step(LLM(), "def f(x):\n    return x\n" * 4)  # the demo model, CPU
+        assert seen[0][0] >= SMALL_STEP_TOKENS and seen[0][1] == cores  # the prefill
+        assert seen[1:] and all(t == 1 for n, t in seen[1:])  # one-token decode steps
+        assert all(t == 2 for _, t in threads_per_step(LLM(cpu_threads=2), "x"))
+    finally:
+        torch.set_num_threads(before)
