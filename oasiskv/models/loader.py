@@ -81,16 +81,31 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: Path):
+#: checkpoints at least this large show a progress bar (bytes read) on stderr while they load
+PROGRESS_MIN_BYTES = 256 << 20
+
+
+def iter_weights(path: Path, progress_min_bytes: int = PROGRESS_MIN_BYTES):
+    """(HF name, tensor) of every tensor of the checkpoint's shards, with a progress bar over the
+    shards' bytes when they add up to ``progress_min_bytes`` or more."""
     from safetensors import SafetensorError, safe_open
-    for file in safetensors_files(path):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"cannot read {file}: {exc}; "
-                             "the file is corrupt or truncated") from None
+    from tqdm import tqdm
+
+    files = safetensors_files(path)
+    total = sum(f.stat().st_size for f in files)
+    logger.info("loading %s: %d shard(s), %.2f GB", path.name, len(files), total / 1e9)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
+              disable=total < progress_min_bytes, mininterval=1.0) as progress:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        tensor = f.get_tensor(name)
+                        progress.update(tensor.numel() * tensor.element_size())
+                        yield name, tensor
+            except (SafetensorError, OSError) as exc:
+                raise ValueError(f"cannot read {file}: {exc}; "
+                                 "the file is corrupt or truncated") from None
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

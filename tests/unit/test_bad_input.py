@@ -129,3 +129,17 @@ def test_engine_config_rejects_nonsense():
 def test_values_that_would_fail_mid_step_are_rejected_up_front(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw).validate(vocab_size=1000)
+
+
+def test_loading_shows_progress_for_large_checkpoints(tmp_path, capsys):
+    """Checkpoints of at least ``PROGRESS_MIN_BYTES`` show a progress bar of bytes read on stderr
+    (here the threshold is lowered to the tiny model's size); smaller ones load silently."""
+    from oasiskv.models.loader import iter_weights
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    capsys.readouterr()
+    names = [name for name, _ in iter_weights(path)]
+    assert names and "loading m" not in capsys.readouterr().err
+    assert [name for name, _ in iter_weights(path, progress_min_bytes=size)] == names
+    err = capsys.readouterr().err
+    assert "loading m" in err and "100%" in err
