@@ -12,15 +12,19 @@ host store:
 - attention recall: the share of the exact attention mass (mean over the query heads) that falls on
   tokens the row attended (its kv head's resident blocks plus its local block);
 - output relative error: ``|o_ws - o| / |o|`` over the row's heads, o the exact attention output and
-  o_ws the attention renormalised over the attended tokens (what sparse decode computed).
+  o_ws the attention renormalised over the attended tokens (what sparse decode computed);
+- top-K agreement: the share of the blocks this query would select itself (its top-K complete blocks
+  by summary score, per kv head) that the working set held: how well the set chosen for it (one
+  step ahead, by a predicted query, under the fetch cap) matches the set the real query picks.
 
 On CUDA the measurement runs on a side stream and is read at the next step's ``measure`` (so a
 sample whose request ends, and whose host blocks a new prompt overwrites within that step, may read
 the new contents; rare, and it only touches the measurement). Cost: with R > 0, two small copies
 per layer per step (the taps); per sampled row, one layer's K and V of its context over PCIe (32K
 tokens, 8 kv heads, bf16: 134 MB) and a dense attention of one query. Results: ``StepStats.samples``
-``guardrail_recall`` and ``guardrail_rel_error`` (histograms on /metrics), and ``last``: (request
-id, position, layer, recall, relative error) per sample of the latest measurement, for harnesses.
+``guardrail_recall``, ``guardrail_rel_error`` and ``guardrail_topk_agreement`` (histograms on
+/metrics), and ``last``: (request id, position, layer, recall, relative error) per sample of the
+latest measurement, for harnesses.
 """
 from __future__ import annotations
 
@@ -113,14 +117,16 @@ class Guardrail:
         if event is not None:
             event.synchronize()
         values = results.tolist()
-        self.last = [(p[2], p[3], p[1], r, e) for p, (r, e) in zip(picked, values)]
-        return {"guardrail_recall": [r for r, _ in values],
-                "guardrail_rel_error": [e for _, e in values]}
+        self.last = [(p[2], p[3], p[1], r, e) for p, (r, e, _) in zip(picked, values)]
+        return {"guardrail_recall": [r for r, _, _ in values],
+                "guardrail_rel_error": [e for _, e, _ in values],
+                "guardrail_topk_agreement": [a for _, _, a in values if a >= 0]}
 
     def _exact(self, picked: list, q: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
-        """float32 ``[n, 2]``: (recall, relative error) of each picked row."""
+        """float32 ``[n, 3]``: (recall, relative error, top-K agreement; -1 without a complete
+        block) of each picked row."""
         lay, B = self.kv.layout, self.kv.layout.block_size
-        out = torch.empty((len(picked), 2), dtype=torch.float32, device=q.device)
+        out = torch.empty((len(picked), 3), dtype=torch.float32, device=q.device)
         for i, (_, layer, _, pos, table) in enumerate(picked):
             length = pos + 1
             blocks = torch.tensor(table, dtype=torch.int32, device=q.device)
@@ -136,4 +142,17 @@ class Guardrail:
             sparse = (probs * held[:, None, :]) @ v / mass.clamp_min(1e-30)[..., None]
             out[i, 0] = mass.mean()
             out[i, 1] = (sparse - exact).norm() / exact.norm().clamp_min(1e-30)
+            out[i, 2] = self._topk_agreement(layer, q[i], blocks, pos // B, maps[i])
         return out
+
+    def _topk_agreement(self, layer: int, q: torch.Tensor, table: torch.Tensor, complete: int,
+                        held: torch.Tensor) -> torch.Tensor | float:
+        """Mean over kv heads of |top-K of q's own summary scores & held| / |top-K| (-1 when the
+        row has no complete block); ``held`` ``[Hk, K]`` logical blocks, -1 empty."""
+        if complete == 0:
+            return -1.0
+        scores = self.kv.summaries.scores(
+            layer, q[None], table[None, :complete],
+            torch.full((1,), complete, dtype=torch.int32, device=q.device))[0]   # [Hk, complete]
+        top = scores.topk(min(self.kv.layout.topk_blocks, complete), dim=-1).indices
+        return (top[:, :, None] == held.long()[:, None, :]).any(-1).float().mean()

@@ -32,6 +32,10 @@ _SAMPLE_HISTOGRAMS = {
                             "Guardrail: per sampled (request, layer, step), the relative error of "
                             "the attention output over the working set against exact attention",
                             (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)),
+    "guardrail_topk_agreement": ("oasiskv_guardrail_topk_agreement",
+                                 "Guardrail: per sampled (request, layer, step), the share of the "
+                                 "blocks the real query would pick (its own top-K by summary "
+                                 "score) that the working set held", _SHARE_BUCKETS),
 }
 
 

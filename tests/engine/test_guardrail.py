@@ -1,7 +1,8 @@
 """The online fidelity guardrail (``guardrail_rate``): sampled rows measured against exact attention
-over their whole context. With K covering every block the working set is the context: recall 1 and
-no output error; with a small K both move, and low recall comes with large output error; the
-sampling rate holds; off, nothing is tapped. GPU: the same inside CUDA graphs (side stream)."""
+over their whole context. With K covering every block the working set is the context: recall 1,
+no output error, top-K agreement 1; with a small K they move, and low recall comes with large output
+error; a set the real query chose itself agrees fully, one chosen a step ahead less; the sampling
+rate holds; off, nothing is tapped. GPU: the same inside CUDA graphs (side stream)."""
 import pytest
 
 from oasiskv import LLM, SamplingParams
@@ -11,8 +12,9 @@ from tests.helpers import write_tiny_checkpoint
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def run(llm, batch):
-    """Every guardrail sample of the run: (recall, relative error), and the decode rows run."""
+def run(llm, batch, agreement=None):
+    """Every guardrail sample of the run: (recall, relative error), and the decode rows run; the
+    top-K agreement samples are appended to ``agreement`` when given."""
     engine, samples, rows = llm.engine, [], 0
     for p in batch:
         engine.add_request(p, PARAMS)
@@ -22,6 +24,8 @@ def run(llm, batch):
         rows += 0 if s.last_step_prefill else s.last_batch_size
         samples += zip(s.kv_samples.get("guardrail_recall", []),
                        s.kv_samples.get("guardrail_rel_error", []))
+        if agreement is not None:
+            agreement += s.kv_samples.get("guardrail_topk_agreement", [])
     return samples, rows
 
 
@@ -33,11 +37,28 @@ def tiny(tmp_path_factory):
 def test_k_covering_every_block_has_full_recall_and_no_error(tiny):
     llm = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=64, fetch_ratio=1.0,
               guardrail_rate=1.0)
-    samples, rows = run(llm, prompts(3, lo=100, hi=180, seed=5))
+    agreement = []
+    samples, rows = run(llm, prompts(3, lo=100, hi=180, seed=5), agreement)
     assert len(samples) == rows > 0  # rate 1: every decode row, each at one layer
     assert all(abs(r - 1) < 1e-5 and e < 1e-5 for r, e in samples), samples[:3]
+    assert len(agreement) == rows and set(agreement) == {1.0}
     layers = {layer for _, _, layer, _, _ in llm.engine.runner.backend.guardrail.last}
     assert layers <= set(range(llm.engine.model_config.num_layers))
+
+
+@pytest.mark.parametrize("draft,fetch_ratio", [("none", 1.0), ("previous", 0.5)])
+def test_topk_agreement_of_the_set_the_query_chose_and_of_a_predicted_one(tiny, draft,
+                                                                        fetch_ratio):
+    """Synchronous retrieval without a cap selects with the token's own query: the working set is
+    exactly its top-K, agreement 1. Lookahead selects one step ahead with the previous query
+    under a cap of one block: less, on average."""
+    llm = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=2,
+              fetch_ratio=fetch_ratio, draft=draft, guardrail_rate=1.0)
+    agreement = []
+    run(llm, prompts(3, lo=150, hi=200, seed=9), agreement)
+    assert agreement and all(0 <= a <= 1 for a in agreement)
+    mean = sum(agreement) / len(agreement)
+    assert mean == 1.0 if draft == "none" else mean < 0.95
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram"])

@@ -40,6 +40,7 @@ def test_oasis_server_exports_tiered_kv_metrics(tmp_path):
         count = m["oasiskv_guardrail_attention_recall_count"]
         assert 4 <= count <= 20 and m["oasiskv_guardrail_output_rel_error_count"] == count
         assert 0 < m["oasiskv_guardrail_attention_recall_sum"] <= count
+        assert 0 < m["oasiskv_guardrail_topk_agreement_count"] <= count
         # a request its client leaves is counted too
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={"prompt": prompt, "max_tokens": 200, "stream": True}) as r:
