@@ -136,6 +136,7 @@ class SparseBackend(AttentionBackend):
         step = self._eager = TierStep(slots, ends_prefill=list(batch.ends_prefill))
         plan = StepPlan(step)
         if batch.is_prefill:
+            self.guardrail.pick([], [])
             return plan
         self.kv.now += 1
         self._decode_rows += len(batch)
@@ -239,6 +240,7 @@ class SparseBackend(AttentionBackend):
 
     def end_capture(self, bucket: int) -> None:
         self.retrieval.end_capture(bucket)
+        self.kv.counters.tensor.zero_()  # the warm-up and capture runs counted (and compiled) too
 
     def prepare_replay(self, meta: TierStep, num_seqs: int, bucket: int) -> bool:
         # (the graph runner replays a step only with rows_per_seq - 1 draft rows per sequence)

@@ -166,6 +166,7 @@ class LLMEngine:
         this step gets that token instead of a sampled one; its logprobs (when asked) score it,
         with the model's top alternatives. The engine goes on from the forced token."""
         batch = self.scheduler.schedule()
+        self.stats.kv_samples = {}  # (a failing step observes nothing)
         if batch is None:
             return []
         start = time.perf_counter()

@@ -28,11 +28,14 @@ latest measurement, for harnesses.
 """
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
 
 from oasiskv.kv.tiered import DecodeRows, TieredKV
+
+logger = logging.getLogger(__name__)
 
 
 class Guardrail:
@@ -66,7 +69,8 @@ class Guardrail:
         return self._q.numel() * self._q.element_size() + self._maps.numel() * 4
 
     def pick(self, seqs: list, positions: list[int]) -> None:
-        """Sample this decode step's rows (``seqs`` with the positions they compute)."""
+        """Sample this step's decode rows (``seqs`` with the positions they compute; none for a
+        prefill step)."""
         self._picked = []
         if not self.active:
             return
@@ -90,23 +94,30 @@ class Guardrail:
         """Measure this step's sampled rows (on the side stream on CUDA); returns the samples of
         the measurement that finished (this one on CPU, the previous one on CUDA)."""
         done = self._collect()
-        if self._picked:
-            picked, self._picked = self._picked, []
-            rows = torch.tensor([p[0] for p in picked], device=self.kv.device)
-            layers = torch.tensor([p[1] for p in picked], device=self.kv.device)
+        picked, self._picked = self._picked, []
+        if not picked:
+            return done
+        try:  # an observation: its failure (e.g. out of memory) must not fail the step
+            dev = self.kv.device
+            rows = torch.tensor([p[0] for p in picked], device=dev)
+            layers = torch.tensor([p[1] for p in picked], device=dev)
             q, maps = self._q[layers, rows].clone(), self._maps[layers, rows].clone()
+            # host -> device before the side stream: a blocking copy there would wait for it
+            tables = [torch.tensor(p[4], dtype=torch.int32, device=dev) for p in picked]
             if self._stream is None:
-                self._pending = (None, self._exact(picked, q, maps), picked)
-            else:
-                self._stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._stream):
-                    results = self._exact(picked, q, maps)
-                    event = torch.cuda.Event()
-                    event.record()
-                q.record_stream(self._stream), maps.record_stream(self._stream)
-                self._pending = (event, results, picked)
-            if self._stream is None:
-                done = self._collect()
+                self._pending = (None, self._exact(picked, q, maps, tables), picked)
+                return self._collect()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            for t in (q, maps, *tables):
+                t.record_stream(self._stream)
+            with torch.cuda.stream(self._stream):
+                results = self._exact(picked, q, maps, tables)
+                event = torch.cuda.Event()
+                event.record()
+            self._pending = (event, results, picked)
+        except Exception:  # noqa: BLE001
+            logger.exception("the guardrail's measurement failed; its samples are dropped")
+            self._pending = None
         return done
 
     def _collect(self) -> dict[str, list[float]]:
@@ -122,21 +133,23 @@ class Guardrail:
                 "guardrail_rel_error": [e for _, e, _ in values],
                 "guardrail_topk_agreement": [a for _, _, a in values if a >= 0]}
 
-    def _exact(self, picked: list, q: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
+    def _exact(self, picked: list, q: torch.Tensor, maps: torch.Tensor,
+               tables: list[torch.Tensor]) -> torch.Tensor:
         """float32 ``[n, 3]``: (recall, relative error, top-K agreement; -1 without a complete
         block) of each picked row."""
         lay, B = self.kv.layout, self.kv.layout.block_size
         out = torch.empty((len(picked), 3), dtype=torch.float32, device=q.device)
-        for i, (_, layer, _, pos, table) in enumerate(picked):
+        for i, ((_, layer, _, pos, _), blocks) in enumerate(zip(picked, tables)):
             length = pos + 1
-            blocks = torch.tensor(table, dtype=torch.int32, device=q.device)
             k, v = (x.float() for x in self.kv.host_kv(layer, blocks, length))  # [Hk, T, D]
             heads = lay.num_kv_heads
             qh = q[i].float().view(heads, -1, lay.head_dim)                    # [Hk, G, D]
             probs = torch.softmax(qh @ k.transpose(1, 2) * self._scale, dim=-1)  # [Hk, G, T]
-            block_of = torch.arange(length, device=q.device) // B
-            held = (block_of[None, :, None] == maps[i].long()[:, None, :]).any(-1)
-            held |= block_of[None, :] == pos // B                             # the local block
+            nblocks = pos // B + 1
+            ids = torch.arange(nblocks, device=q.device)
+            held = (ids[None, :, None] == maps[i].long()[:, None, :]).any(-1)   # [Hk, blocks]
+            held[:, -1] = True                                                  # the local block
+            held = held.repeat_interleave(B, dim=1)[:, :length]                 # [Hk, T]
             mass = (probs * held[:, None, :]).sum(-1)                          # [Hk, G]
             exact = probs @ v
             sparse = (probs * held[:, None, :]) @ v / mass.clamp_min(1e-30)[..., None]

@@ -1,0 +1,186 @@
+"""The remote memory tier's transport: one-sided NIXL reads of KV blocks from another process's
+host store.
+
+A worker that keeps prompt KV (a prefill or memory worker) serves its ``HostStore`` with a
+``RemoteStore``: its K and V (and FP8 scales) tensors are registered with a NIXL agent (UCX), and
+``descriptor()`` is what a reader needs to reach them (the agent's metadata, each region's address
+and size, the layout). A decode worker's ``RemoteReader`` connects to such descriptors and copies
+units of KV into a host store of its own (its decode-host cache) with one-sided READs: the serving
+process's CPU does no work per read. A unit is one block at one layer (all kv heads: the
+``[Hk, B, D]`` slice, contiguous in the ``[blocks, L, Hk, B, D]`` layout) or a whole block (every
+layer); ``read`` turns any number of units into one NIXL transfer (K, V and scales descriptors
+side by side), so the misses of a layer across requests cost one transfer. Every transfer has a
+deadline: ``Transfer.wait`` raises ``TimeoutError`` past it (a stopped or slow peer) and
+``RemoteReadError`` when the transfer fails (a dead peer), and releases it either way.
+
+NIXL is an optional dependency (``pip install 'oasiskv[pd]'``, the ``nixl-cu13`` wheel): this
+module imports it only when a store or reader is built. ``UCX_MODULES=^ib`` is set unless already
+set: where system InfiniBand providers exist but no device, UCX's ib module crashes at exit.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from oasiskv.kv.host_store import HostStore
+
+
+class RemoteReadError(RuntimeError):
+    """A remote read failed (its peer died or refused it)."""
+
+
+def _nixl():
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    try:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise ImportError("the remote KV tier needs NIXL: pip install 'oasiskv[pd]' "
+                          f"(the nixl-cu13 wheel): {exc}") from None
+    return nixl_agent, nixl_agent_config
+
+
+def _regions(store: HostStore) -> list[torch.Tensor]:
+    """The store's tensors in descriptor order: K, V, then the FP8 scales (K, V) when present."""
+    return [store.k, store.v, *(store.scales or ())]
+
+
+def _unit_bytes(t: torch.Tensor, whole: bool) -> int:
+    """Bytes of one unit of region ``t`` ``[blocks, L, ...]``: one block at one layer, or a whole
+    block."""
+    per_layer = t[0, 0].numel() * t.element_size()
+    return per_layer * (t.shape[1] if whole else 1)
+
+
+@dataclass(frozen=True)
+class _Peer:
+    name: str
+    addrs: tuple[int, ...]  # base address of each region
+    shape: tuple[int, ...]  # [blocks, L, Hk, B, D] of K and V
+    dtype: str
+
+
+class RemoteStore:
+    """Serves ``store`` to remote readers under the NIXL agent ``name`` (unique among the peers)."""
+
+    def __init__(self, store: HostStore, name: str):
+        nixl_agent, nixl_agent_config = _nixl()
+        self.store, self.name = store, name
+        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._registered = self.agent.register_memory(_regions(store))
+
+    def descriptor(self) -> bytes:
+        """What a ``RemoteReader.connect`` needs (bytes: send it over any channel)."""
+        regions = _regions(self.store)
+        return pickle.dumps({"metadata": self.agent.get_agent_metadata(), "name": self.name,
+                             "addrs": [t.data_ptr() for t in regions],
+                             "shape": tuple(self.store.k.shape), "dtype": str(self.store.k.dtype)})
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self._registered)
+
+
+class Transfer:
+    """One NIXL transfer in flight (``RemoteReader.read``)."""
+
+    def __init__(self, agent, handle, peer: str, deadline: float):
+        self._agent, self._handle, self.peer, self.deadline = agent, handle, peer, deadline
+
+    def done(self) -> bool:
+        """Whether it completed (raises ``RemoteReadError`` if it failed)."""
+        state = self._agent.check_xfer_state(self._handle)
+        if state == "ERR":
+            self._release()
+            raise RemoteReadError(f"a read from {self.peer} failed")
+        if state == "DONE":
+            self._release()
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Until it completes; ``TimeoutError`` past its deadline, ``RemoteReadError`` on
+        failure."""
+        while self._handle is not None and not self.done():
+            if time.monotonic() > self.deadline:
+                self._release()
+                raise TimeoutError(f"a read from {self.peer} did not complete in time")
+            time.sleep(0)
+
+    def _release(self) -> None:
+        if self._handle is not None:
+            self._agent.release_xfer_handle(self._handle)
+            self._handle = None
+
+
+class RemoteReader:
+    """Reads units of KV from ``RemoteStore`` peers into ``local`` (same layout, its own block
+    ids), as NIXL agent ``name``."""
+
+    def __init__(self, local: HostStore, name: str, timeout_s: float = 5.0):
+        nixl_agent, nixl_agent_config = _nixl()
+        self.local, self.name, self.timeout_s = local, name, timeout_s
+        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._registered = self.agent.register_memory(_regions(local))
+        self.peers: dict[str, _Peer] = {}
+
+    def connect(self, descriptor: bytes) -> str:
+        """Add a peer from its ``RemoteStore.descriptor()``; returns its name. Its layout must be
+        the local store's but for the number of blocks."""
+        d = pickle.loads(descriptor)
+        if tuple(d["shape"][1:]) != tuple(self.local.k.shape[1:]) or (
+                d["dtype"] != str(self.local.k.dtype)):
+            raise ValueError(f"peer {d['name']} stores {d['dtype']} {tuple(d['shape'])}, this "
+                             f"reader {self.local.k.dtype} {tuple(self.local.k.shape)}")
+        name = self.agent.add_remote_agent(d["metadata"])
+        self.peers[name] = _Peer(name, tuple(d["addrs"]), tuple(d["shape"]), d["dtype"])
+        return name
+
+    def disconnect(self, peer: str) -> None:
+        self.agent.remove_remote_agent(peer)
+        del self.peers[peer]
+
+    def read(self, peer: str, src_blocks, dst_blocks, layer: int | None = None) -> Transfer:
+        """Start copying blocks ``src_blocks`` of ``peer`` into local blocks ``dst_blocks`` (equal
+        length sequences of ids), at ``layer`` only or whole (``layer=None``), as one transfer."""
+        info = self.peers[peer]
+        src = np.asarray(src_blocks, dtype=np.uint64)
+        dst = np.asarray(dst_blocks, dtype=np.uint64)
+        if src.shape != dst.shape or src.ndim != 1 or src.size == 0:
+            raise ValueError("src_blocks and dst_blocks must be equal-length, non-empty lists")
+        if int(src.max()) >= info.shape[0] or int(dst.max()) >= self.local.k.shape[0]:
+            raise ValueError("block id past the end of a store")
+        whole = layer is None
+        local, remote = [], []
+        for t, base in zip(_regions(self.local), info.addrs):
+            unit = _unit_bytes(t, whole)
+            block = _unit_bytes(t, True)
+            offset = 0 if whole else layer * unit
+            for blocks, start, out in ((src, base, remote), (dst, t.data_ptr(), local)):
+                rows = np.empty((blocks.size, 3), dtype=np.uint64)
+                rows[:, 0] = start + blocks * block + offset
+                rows[:, 1], rows[:, 2] = unit, 0
+                out.append(rows)
+        handle = None
+        try:
+            handle = self.agent.initialize_xfer(
+                "READ", self.agent.get_xfer_descs(np.concatenate(local), "DRAM"),
+                self.agent.get_xfer_descs(np.concatenate(remote), "DRAM"), peer)
+            state = self.agent.transfer(handle)
+        except Exception as exc:  # NIXL's own errors (a disconnected peer, ...)
+            if handle is not None:
+                self.agent.release_xfer_handle(handle)
+            raise RemoteReadError(f"a read from {peer} failed: {type(exc).__name__}: {exc}") \
+                from None
+        transfer = Transfer(self.agent, handle, peer, time.monotonic() + self.timeout_s)
+        if state == "ERR":
+            transfer.done()
+        return transfer
+
+    def close(self) -> None:
+        for peer in list(self.peers):
+            self.disconnect(peer)
+        self.agent.deregister_memory(self._registered)

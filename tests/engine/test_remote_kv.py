@@ -1,0 +1,126 @@
+"""The remote tier's transport (``kv/remote.py``) with real NIXL agents in separate processes on
+loopback: a serving process holds a host store of known contents; this process reads units of it
+(one layer of a block, whole blocks, bf16 and FP8 with their scales) into its own store with
+one-sided READs and gets exactly those bytes, many units in one transfer; a read from a dead peer
+fails with an error instead of hanging. (Not tested here: a slow peer's timeout. Between
+processes of one host UCX reads the peer's memory directly: a stopped peer still serves reads.)"""
+import multiprocessing as mp
+import os
+import uuid
+
+import pytest
+import torch
+
+nixl = pytest.importorskip("nixl_cu13", reason="the remote tier needs NIXL: pip install "
+                           "'oasiskv[pd]' (x86-64 Linux wheels)")
+
+from oasiskv.kernels.fp8 import FP8, as_bytes  # noqa: E402
+from oasiskv.kv.host_store import HostStore  # noqa: E402
+from oasiskv.kv.layout import TieredLayout  # noqa: E402
+from oasiskv.kv.remote import RemoteReader, RemoteReadError  # noqa: E402
+
+LAYERS, HEADS, DIM, BLOCK = 3, 2, 32, 16
+
+
+def layout(fp8: bool) -> TieredLayout:
+    return TieredLayout(LAYERS, HEADS, DIM, BLOCK, 4, torch.bfloat16, FP8 if fp8 else None)
+
+
+def filled(fp8: bool, num_blocks: int, seed: int) -> HostStore:
+    """A host store whose every byte follows from ``seed``."""
+    store = HostStore(layout(fp8), num_blocks, pin=False)
+    gen = torch.Generator().manual_seed(seed)
+    for t in (store.k, store.v, *(store.scales or ())):
+        raw = as_bytes(t).view(torch.uint8)
+        raw.copy_(torch.randint(0, 0x70, raw.shape, generator=gen, dtype=torch.uint8))
+    return store
+
+
+def serve(fp8: bool, num_blocks: int, seed: int, out: mp.Queue, stop: mp.Event) -> None:
+    from oasiskv.kv.remote import RemoteStore
+    store = RemoteStore(filled(fp8, num_blocks, seed), f"memory-{os.getpid()}")
+    out.put(store.descriptor())
+    stop.wait(120)
+    store.close()
+
+
+@pytest.fixture
+def peer(request):
+    """A serving process (bf16 or FP8 per the parameter) -> (its descriptor, its expected store,
+    the process)."""
+    fp8 = request.param
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=serve, args=(fp8, 40, 7, out, stop), daemon=True)
+    proc.start()
+    try:
+        yield out.get(timeout=120), filled(fp8, 40, 7), proc
+    finally:
+        if proc.is_alive():  # (a killed peer may have died holding the event's lock)
+            stop.set()
+            proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def units(store: HostStore, blocks, layer=None):
+    """The bytes of ``store``'s blocks (at ``layer`` or whole), every region, for comparing."""
+    idx = torch.tensor(blocks)
+    raw = [as_bytes(t).view(torch.uint8) for t in (store.k, store.v, *(store.scales or ()))]
+    return [t[idx] if layer is None else t[idx, layer] for t in raw]
+
+
+@pytest.mark.parametrize("peer", [False, True], ids=["bf16", "fp8"], indirect=True)
+def test_reads_give_exactly_the_remote_bytes(peer):
+    descriptor, remote, _ = peer
+    fp8 = remote.scales is not None
+    local = HostStore(layout(fp8), 12, pin=False)
+    for t in (local.k, local.v, *(local.scales or ())):
+        as_bytes(t).view(torch.uint8).fill_(0xFF)
+    reader = RemoteReader(local, f"decode-{uuid.uuid4().hex[:8]}", timeout_s=30)
+    name = reader.connect(descriptor)
+    # one layer of 5 blocks from across the store, in one transfer, into scattered local blocks
+    src, dst = [39, 3, 17, 0, 22], [11, 0, 5, 2, 7]
+    reader.read(name, src, dst, layer=1).wait()
+    for got, want in zip(units(local, dst, 1), units(remote, src, 1)):
+        assert torch.equal(got, want)
+    untouched = [b for b in range(12) if b not in dst]
+    assert all((t[untouched] == 0xFF).all() for t in units(local, range(12), 0))
+    # whole blocks (every layer)
+    reader.read(name, [8, 9], [3, 4]).wait()
+    for got, want in zip(units(local, [3, 4]), units(remote, [8, 9])):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="past the end"):
+        reader.read(name, [40], [0])
+    reader.close()
+
+
+@pytest.mark.parametrize("peer", [False], ids=["bf16"], indirect=True)
+def test_a_dead_peer_fails_a_read_instead_of_hanging(peer):
+    descriptor, remote, proc = peer
+    local = HostStore(layout(False), 4, pin=False)
+    reader = RemoteReader(local, f"decode-{uuid.uuid4().hex[:8]}", timeout_s=10)
+    name = reader.connect(descriptor)
+    reader.read(name, [1], [0]).wait()  # the connection is up
+    proc.kill()
+    proc.join(30)
+    with pytest.raises(RemoteReadError, match="failed"):
+        reader.read(name, [2], [1]).wait()
+    reader.close()
+
+
+def test_connecting_a_peer_of_another_layout_is_refused(tmp_path):
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=serve, args=(True, 8, 1, out, stop), daemon=True)
+    proc.start()
+    try:
+        descriptor = out.get(timeout=120)
+        reader = RemoteReader(HostStore(layout(False), 4, pin=False),
+                              f"decode-{uuid.uuid4().hex[:8]}")
+        with pytest.raises(ValueError, match="stores torch.float8_e4m3fn"):
+            reader.connect(descriptor)
+        reader.close()
+    finally:
+        stop.set()
+        proc.join(30)
