@@ -56,8 +56,7 @@ class SparseBackend(AttentionBackend):
         layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                               tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype))
         self.kv = TieredKV(layout, tier, device, probes or TierProbes())
-        self.guardrail = Guardrail(self.kv, tier.guardrail_rate)
-        self._q_heads, self._dtype = cfg.num_heads, dtype
+        self.guardrail = Guardrail(self.kv, tier.guardrail_rate, cfg.num_heads)
         # observers read each step's scores on the host: such an engine never captures graphs
         self.supports_cuda_graphs = not self.kv.probes.observers
         self.lookahead: Lookahead | None = None
@@ -85,7 +84,7 @@ class SparseBackend(AttentionBackend):
         drafter_per_seq = drafter.bytes_per_seq(max_len) if drafter else 0
         drafter_fixed = drafter.fixed_bytes() if drafter else 0
         summary_bytes = host.num_blocks * lay.summary_bytes_per_block
-        taps = self.guardrail.allocate(self.config.max_num_seqs, self._dtype, self._q_heads)
+        taps = self.guardrail.allocate(self.config.max_num_seqs)
         per_seq = lay.working_set_bytes + drafter_per_seq
         fixed = summary_bytes + drafter_fixed + taps
         budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes

@@ -39,31 +39,34 @@ logger = logging.getLogger(__name__)
 
 
 class Guardrail:
-    def __init__(self, kv: TieredKV, rate: float, seed: int = 0):
+    """For ``kv``'s model (``num_q_heads`` query heads), sampling at ``rate``."""
+
+    def __init__(self, kv: TieredKV, rate: float, num_q_heads: int, seed: int = 0):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"guardrail rate must be in [0, 1], got {rate}")
-        self.kv, self.rate = kv, rate
+        self.kv, self.rate, self.num_q_heads = kv, rate, num_q_heads
         self.every_layer = False
         self._rng = random.Random(seed)
         self._q: torch.Tensor | None = None  # [L, rows, Hq, D]
         self._maps: torch.Tensor | None = None  # [L, rows, Hk, K]
         self._scale = 1.0
         self._picked: list[tuple] = []  # (row, layer, request id, position, host blocks)
-        self._pending: tuple | None = None  # (event, results [n, 2], meta) on the side stream
-        self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
+        self._pending: tuple | None = None  # (event, results [n, 3], picked) on the side stream
+        self._stream = (torch.cuda.Stream(kv.device) if kv.device.type == "cuda" and rate > 0
+                        else None)
         self.last: list[tuple[str, int, int, float, float]] = []
 
     @property
     def active(self) -> bool:
         return self.rate > 0
 
-    def allocate(self, max_rows: int, q_dtype: torch.dtype, num_q_heads: int) -> int:
+    def allocate(self, max_rows: int) -> int:
         """The tap buffers for up to ``max_rows`` decode rows; returns their bytes (0 when off)."""
         if not self.active:
             return 0
         lay = self.kv.layout
-        self._q = torch.zeros((lay.num_layers, max_rows, num_q_heads, lay.head_dim),
-                              dtype=q_dtype, device=self.kv.device)
+        self._q = torch.zeros((lay.num_layers, max_rows, self.num_q_heads, lay.head_dim),
+                              dtype=lay.dtype, device=self.kv.device)
         self._maps = torch.full((lay.num_layers, max_rows, lay.num_kv_heads, lay.topk_blocks), -1,
                                 dtype=torch.int32, device=self.kv.device)
         return self._q.numel() * self._q.element_size() + self._maps.numel() * 4

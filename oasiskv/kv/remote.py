@@ -58,10 +58,8 @@ def _unit_bytes(t: torch.Tensor, whole: bool) -> int:
 
 @dataclass(frozen=True)
 class _Peer:
-    name: str
     addrs: tuple[int, ...]  # base address of each region
-    shape: tuple[int, ...]  # [blocks, L, Hk, B, D] of K and V
-    dtype: str
+    num_blocks: int
 
 
 class RemoteStore:
@@ -136,7 +134,7 @@ class RemoteReader:
             raise ValueError(f"peer {d['name']} stores {d['dtype']} {tuple(d['shape'])}, this "
                              f"reader {self.local.k.dtype} {tuple(self.local.k.shape)}")
         name = self.agent.add_remote_agent(d["metadata"])
-        self.peers[name] = _Peer(name, tuple(d["addrs"]), tuple(d["shape"]), d["dtype"])
+        self.peers[name] = _Peer(tuple(d["addrs"]), d["shape"][0])
         return name
 
     def disconnect(self, peer: str) -> None:
@@ -151,7 +149,7 @@ class RemoteReader:
         dst = np.asarray(dst_blocks, dtype=np.uint64)
         if src.shape != dst.shape or src.ndim != 1 or src.size == 0:
             raise ValueError("src_blocks and dst_blocks must be equal-length, non-empty lists")
-        if int(src.max()) >= info.shape[0] or int(dst.max()) >= self.local.k.shape[0]:
+        if int(src.max()) >= info.num_blocks or int(dst.max()) >= self.local.k.shape[0]:
             raise ValueError("block id past the end of a store")
         whole = layer is None
         local, remote = [], []
