@@ -176,6 +176,12 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
     first = {rid: len(w) - last for rid, w in zip(forced, wins)}  # the first scored position
     hits = tries = 0
     fill = CapFill()
+
+    def record(samples: dict) -> None:
+        if samples.get("guardrail_recall"):
+            for rid, pos, _, share, _ in guardrail.last:  # the position predicts token pos + 1
+                recall[rid][pos + 1 - first[rid]].append(share)
+
     progress = tqdm(total=last * len(wins), desc=setting[:40], unit="tok", file=sys.stderr,
                     mininterval=2.0)
     while engine.has_unfinished():
@@ -189,9 +195,10 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
         hits += engine.stats.kv.get("draft_hits", 0)
         tries += engine.stats.kv.get("draft_guesses", 0)
         fill.add(engine.stats)
-        if measured and engine.stats.kv_samples.get("guardrail_recall"):
-            for rid, pos, _, share, _ in guardrail.last:  # the position predicts token pos + 1
-                recall[rid][pos + 1 - first[rid]].append(share)
+        if measured:
+            record(engine.stats.kv_samples)
+    if measured:  # on CUDA a step reports the measurement before its own: the last one is pending
+        record(guardrail.drain())
     progress.close()
     losses = [x for rid in forced for x in nll[rid]]
     return Run(setting, sum(losses) / len(losses), [greedy[rid] for rid in forced],

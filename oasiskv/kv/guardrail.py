@@ -123,6 +123,11 @@ class Guardrail:
             self._pending = None
         return done
 
+    def drain(self) -> dict[str, list[float]]:
+        """The samples of the measurement still running (CUDA: the last step's; a step reports the
+        one before it), waiting for it; {} when none. ``last`` then names its positions."""
+        return self._collect()
+
     def _collect(self) -> dict[str, list[float]]:
         if self._pending is None:
             return {}
