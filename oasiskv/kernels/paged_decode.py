@@ -20,8 +20,10 @@ from oasiskv.kernels.fp8 import FP8, check_scales
 
 _LOG2E = 1.4426950408889634
 # Launch config by storage dtype: (KV tokens per inner-loop iteration (several blocks per tile when
-# block_size is small), warps, pipeline stages). 16-bit: tuned on an H200 (head_dim 128, block 16).
-_LAUNCH = {"16-bit": (64, 4, 2), "fp8": (64, 4, 2)}
+# block_size is small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16). A
+# program keeps one tile in flight while it computes the last, so FP8 (half the bytes per token)
+# needs twice the tokens per tile to keep as many bytes in flight as 16-bit.
+_LAUNCH = {"16-bit": (64, 4, 2), "fp8": (128, 4, 2)}
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -49,16 +51,40 @@ def _load_scales(scale_ptr, offs, valid, TILE: tl.constexpr, QUANT: tl.constexpr
 
 
 @triton.jit
+def _zero_denominator(BLOCK_G: tl.constexpr, TILE: tl.constexpr, FP8_DOT: tl.constexpr):
+    """The softmax denominator's running state: per row ``[BLOCK_G]``, or with FP8_DOT per tile
+    column ``[BLOCK_G, TILE]``: a row sum per tile is a reduction across the program's warps (shared
+    memory and barriers), which the FP8 tile, half the bytes of a 16-bit one, cannot hide; the
+    columns are summed once, by ``_row_denominator``. (16-bit keeps the row: the extra registers
+    cost it resident programs.)"""
+    if FP8_DOT:
+        state = tl.zeros([BLOCK_G, TILE], tl.float32)
+    else:
+        state = tl.zeros([BLOCK_G], tl.float32)
+    return state
+
+
+@triton.jit
+def _row_denominator(l, FP8_DOT: tl.constexpr):
+    """``_zero_denominator``'s state after the last tile -> the row sums ``[BLOCK_G]``."""
+    if FP8_DOT:
+        rows = tl.sum(l, 1)
+    else:
+        rows = l
+    return rows
+
+
+@triton.jit
 def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr,
                   FP8_DOT: tl.constexpr):
     """One tile of online softmax in the log2 domain: scores ``q @ kt`` times each key's
     dequantization scale ``k_scale`` ``[TILE]`` (``[BLOCK_G, TILE]``, -inf where not ``valid``) ->
-    (p, alpha, m_new, l_new); the caller rescales its accumulator by alpha and adds
-    ``_pv(p, v_scale, v)``. While no valid token has been seen (m_new = -inf) exp2 is kept away
-    from NaN. FP8_DOT: ``q`` is ``_fp16_query``'s fp16 copy, ``qk_scale`` divided by its shift, and
-    ``kt`` FP8: the dot runs on fp16 inputs (the FP8 values convert exactly with one instruction per
-    pair, the products are exact in the fp32 accumulator); else ``q`` is float32 and the dot runs
-    at DOT_PRECISION."""
+    (p, alpha, m_new, l_new), ``l_i`` the denominator state of ``_zero_denominator``; the caller
+    rescales its accumulator by alpha and adds ``_pv(p, v_scale, v, v_top)``. While no valid token
+    has been seen (m_new = -inf) exp2 is kept away from NaN. FP8_DOT: ``q`` is ``_fp16_query``'s
+    fp16 copy, ``qk_scale`` divided by its shift, and ``kt`` FP8: the dot runs on fp16 inputs (the
+    FP8 values convert exactly with one instruction per pair, the products are exact in the fp32
+    accumulator); else ``q`` is float32 and the dot runs at DOT_PRECISION."""
     if FP8_DOT:
         s = tl.dot(q, kt.to(tl.float16))
     else:
@@ -69,7 +95,17 @@ def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.c
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+    if FP8_DOT:
+        l_new = l_i * alpha[:, None] + p
+    else:
+        l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
+def _positive(top):
+    """A largest scale, or 1 when there is none (no valid row: every weight is 0 anyway)."""
+    return tl.where(top > 0, top, 1.0)
 
 
 @triton.jit
@@ -85,20 +121,20 @@ def _fp16_query(q):
 
 
 @triton.jit
-def _pv(p, v_scale, v, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr):
+def _pv(p, v_scale, v, v_top, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+        FP8_DOT: tl.constexpr):
     """``(p * v_scale) @ v``: float32 ``[BLOCK_G, HEAD_DIM]`` for softmax weights ``p``
     ``[BLOCK_G, TILE]``, value rows ``v`` ``[TILE, HEAD_DIM]`` and their dequantization scales
-    ``[TILE]`` (used when QUANT). FP8_DOT: the rows are dequantized relative to the tile's largest
-    scale, ``v * (v_scale / max(v_scale))`` (so within FP8's range, at most 448), rounded to fp16
-    (11 significant bits; what underflows is below 1e-7 of the tile's largest row) in the layout
-    they were loaded in (so fp16, not bytes, go through shared memory to the tensor cores), the
-    weights (in [0, 1]) too, and ``max(v_scale)`` multiplies the fp32 result; else the dot runs in
-    float32 at DOT_PRECISION."""
+    ``[TILE]`` (used when QUANT). FP8_DOT: ``v_top`` is the split's largest V scale
+    (``_v_top``); the rows are dequantized relative to it in fp16, ``v * (v_scale / v_top)`` (so
+    within FP8's range, at most 448; a row more than ~1e6 times smaller than the split's largest
+    loses precision to fp16 subnormals) in the layout they were loaded in (the multiply keeps the
+    conversion there: fp16, not single bytes, go through shared memory to the tensor cores), the
+    weights (in [0, 1]) are rounded to fp16 too, and ``v_top`` multiplies the fp32 result; else the
+    dot runs in float32 at DOT_PRECISION."""
     if FP8_DOT:
-        top = tl.max(v_scale, 0)
-        top = tl.where(top > 0, top, 1.0)  # no valid row in the tile: its weights are 0 anyway
-        v16 = (v.to(tl.float32) * (v_scale / top)[:, None]).to(tl.float16)
-        return tl.dot(p.to(tl.float16), v16) * top
+        v16 = v.to(tl.float16) * (v_scale / v_top).to(tl.float16)[:, None]
+        return tl.dot(p.to(tl.float16), v16) * v_top
     if QUANT:
         p = p * v_scale[None, :]
     return tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
@@ -173,8 +209,19 @@ def _decode_split_kernel(
     kt_in_block = kv_head * stride_ch + tile_off[None, :] * stride_cs + offs_d[:, None]
     v_in_block = kv_head * stride_ch + tile_off[:, None] * stride_cs + offs_d[None, :]
 
+    v_top = 1.0
+    if FP8_DOT:  # the split's largest V scale, for _pv (a pass over the scales: 4 of 132 bytes)
+        top = tl.zeros([TILE], tl.float32)
+        for blk0 in range(blk_start, blk_end, BLOCKS_PER_ITER):
+            blk = blk0 + tile_blk
+            valid = (blk < blk_end) & (blk * BLOCK_SIZE + tile_off < ctx_len)
+            block_id = tl.load(bt_row + blk, mask=valid, other=0).to(tl.int64)
+            top = tl.maximum(top, tl.load(v_scale_ptr + block_id * stride_sb + kv_head * stride_sh
+                                          + tile_off, mask=valid, other=0.0))
+        v_top = _positive(tl.max(top, 0))
+
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for blk0 in range(blk_start, blk_end, BLOCKS_PER_ITER):
         blk = blk0 + tile_blk
@@ -192,12 +239,12 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None],
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
-        acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT)
+        acc = acc * alpha[:, None] + _pv(p, v_scale, v, v_top, DOT_PRECISION, QUANT, FP8_DOT)
         m_i = m_new
 
-    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits,
-                 tl.num_programs(1) * G, q_heads, g_mask, offs_d, stride_ob, stride_oh, HEAD_DIM,
-                 DIRECT)
+    _store_split(acc, m_i, _row_denominator(l_i, FP8_DOT), out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
+                 rows, split, num_splits, tl.num_programs(1) * G, q_heads, g_mask, offs_d,
+                 stride_ob, stride_oh, HEAD_DIM, DIRECT)
 
 
 @triton.jit

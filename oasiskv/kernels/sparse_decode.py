@@ -31,14 +31,25 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.fp8 import check_scales
-from oasiskv.kernels.paged_decode import (_load_q, _load_scales, _pv, _softmax_tile,
-                                          _fp16_query, _store_split, _wave_size,
+from oasiskv.kernels.paged_decode import (_load_q, _load_scales, _positive, _pv, _row_denominator,
+                                          _softmax_tile, _fp16_query, _store_split, _wave_size,
+                                          _zero_denominator,
                                           default_num_splits, fp8_dot, launch_config, merge_splits,
                                           split_workspace)
 
 _LOG2E = 1.4426950408889634
 # The launch config (tokens per iteration, warps, stages) is paged_decode's ``launch_config``.
 _DEFAULT_WAVE = 512
+
+
+@triton.jit
+def _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off):
+    """Which tokens of the tile's slots ``slot`` ``[TILE]`` attention reads: those of the run
+    (before ``slot_end``) in held slots (map entry >= 0) and the first ``local_len`` of the local
+    slot."""
+    in_run = slot < slot_end
+    held = tl.load(map_row + slot, mask=in_run & (slot < local_slot), other=-1)
+    return in_run & tl.where(slot == local_slot, tile_off < local_len, held >= 0)
 
 
 @triton.jit
@@ -106,14 +117,22 @@ def _sparse_split_kernel(
     kt_in_slot = tile_off[None, :] * stride_kt + offs_d[:, None]
     v_in_slot = tile_off[:, None] * stride_vt + offs_d[None, :]
 
+    v_top = 1.0
+    if FP8_DOT:  # the split's largest V scale, for _pv (a pass over the scales: 4 of 132 bytes)
+        top = tl.zeros([TILE], tl.float32)
+        for slot0 in range(slot_start, slot_end, SLOTS_PER_ITER):
+            slot = slot0 + tile_slot
+            valid = _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off)
+            top = tl.maximum(top, tl.load(v_scale_ptr + scale_head + slot.to(tl.int64) * stride_sw
+                                          + tile_off, mask=valid, other=0.0))
+        v_top = _positive(tl.max(top, 0))
+
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for slot0 in range(slot_start, slot_end, SLOTS_PER_ITER):
         slot = slot0 + tile_slot
-        in_run = slot < slot_end
-        held = tl.load(map_row + slot, mask=in_run & (slot < local_slot), other=-1)
-        valid = in_run & tl.where(slot == local_slot, tile_off < local_len, held >= 0)
+        valid = _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off)
         slot64 = slot.to(tl.int64)
 
         kt = tl.load(k_head + (slot64 * stride_kw)[None, :] + kt_in_slot, mask=valid[None, :],
@@ -126,8 +145,9 @@ def _sparse_split_kernel(
         v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None],
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
-        acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT)
+        acc = acc * alpha[:, None] + _pv(p, v_scale, v, v_top, DOT_PRECISION, QUANT, FP8_DOT)
         m_i = m_new
+    l_i = _row_denominator(l_i, FP8_DOT)
 
     # the draft's own key and value, once: in the split that holds the local slot
     if HAS_DRAFT:
