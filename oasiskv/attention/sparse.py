@@ -26,7 +26,7 @@ import torch
 from oasiskv.attention.base import AttentionBackend, StepPlan, StepStats
 from oasiskv.attention.prefill import prefill_attention
 from oasiskv.config import EngineConfig
-from oasiskv.engine.forward_batch import ForwardBatch, to_device
+from oasiskv.engine.forward_batch import ForwardBatch, to_device_many
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kernels.fp8 import storage_dtype
@@ -131,28 +131,30 @@ class SparseBackend(AttentionBackend):
 
     # ---- one step --------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepPlan:
-        slots = self._to_device([self.allocator.slot_of[s.seq_id] for s in batch.seqs], torch.int32)
-        step = self._eager = TierStep(slots, ends_prefill=list(batch.ends_prefill))
-        plan = StepPlan(step)
+        # the rows' working-set slots, then (lookahead) each row's draft row and the row it drafts
+        # for: one host-to-device copy
+        arrays = [([self.allocator.slot_of[s.seq_id] for s in batch.seqs], torch.int32)]
+        plan = StepPlan()
         if batch.is_prefill:
             self.guardrail.pick([], [])
-            return plan
-        self.kv.now += 1
-        self._decode_rows += len(batch)
-        self.guardrail.pick(batch.seqs, [len(seq) - 1 for seq in batch.seqs])
-        if self.lookahead is not None:
-            plan.extra_ids, plan.extra_positions, rows = self.lookahead.draft_rows(batch)
-            if rows:
-                n = len(batch)
-                index = [-1] * n
-                for j, row in enumerate(rows):
-                    index[row] = n + j
-                step.draft_rows = self._to_device(index, torch.int32)
-                step.draft_of = self._to_device(rows, torch.long)
+        else:
+            self.kv.now += 1
+            self._decode_rows += len(batch)
+            self.guardrail.pick(batch.seqs, [len(seq) - 1 for seq in batch.seqs])
+            if self.lookahead is not None:
+                plan.extra_ids, plan.extra_positions, rows = self.lookahead.draft_rows(batch)
+                if rows:
+                    n = len(batch)
+                    index = [-1] * n
+                    for j, row in enumerate(rows):
+                        index[row] = n + j
+                    arrays += [(index, torch.int32), (rows, torch.long)]
+        tensors = to_device_many(arrays, self.device)
+        step = plan.meta = self._eager = TierStep(tensors[0],
+                                                  ends_prefill=list(batch.ends_prefill))
+        if len(tensors) > 1:
+            step.draft_rows, step.draft_of = tensors[1:]
         return plan
-
-    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return to_device(values, dtype, self.device)
 
     def forward(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if batch.meta is None:  # the warm-up before storage exists

@@ -51,15 +51,65 @@ class ForwardBatch:
 
 
 def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list / numpy array -> tensor on ``device``: through pinned memory and a non-blocking
-    copy on CUDA (ordered on the current stream before any later use), as is elsewhere."""
-    if isinstance(data, np.ndarray):
-        host = torch.from_numpy(data)
-    else:
-        host = torch.tensor(data, dtype=dtype)
+    """Host list / numpy array -> ``dtype`` tensor on ``device`` (``to_device_many`` of one)."""
+    return to_device_many([(data, dtype)], device)[0]
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+_ALIGN = 16  # bytes between packed arrays: every dtype's views stay aligned
+_RING = 8  # pinned staging buffers per thread and device, reused in turn
+
+
+def to_device_many(arrays: list[tuple[Any, torch.dtype]],
+                   device: torch.device) -> list[torch.Tensor]:
+    """Host lists / numpy arrays, each with its dtype (int64, int32 or float32) -> tensors on
+    ``device`` of the same shapes. On CUDA all of them go as one non-blocking copy (ordered on the
+    current stream before any later use) from a pinned staging buffer that is reused (its previous
+    copy waited for first, long done by then), and come back as views of one device buffer: a step's
+    index arrays cost one transfer and no pinned allocation. On CPU: plain tensors (a numpy array's
+    shares its memory)."""
     if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+        return [torch.from_numpy(data) if isinstance(data, np.ndarray)
+                else torch.tensor(data, dtype=dtype) for data, dtype in arrays]
+    hosts = [np.ascontiguousarray(data, dtype=_NUMPY[dtype]) for data, dtype in arrays]
+    offsets, total = [], 0
+    for host in hosts:
+        offsets.append(total)
+        total += -(-host.nbytes // _ALIGN) * _ALIGN
+    ring = _rings.__dict__.setdefault(device, _PinnedRing())
+    slot, staging = ring.take(total)
+    flat = staging.numpy()
+    for host, offset in zip(hosts, offsets):
+        flat[offset:offset + host.nbytes] = host.reshape(-1).view(np.uint8)
+    dev = staging[:total].to(device, non_blocking=True)
+    ring.copied(slot)
+    return [dev[offset:offset + host.nbytes].view(dtype).view(host.shape)
+            for host, offset, (_, dtype) in zip(hosts, offsets, arrays)]
+
+
+class _PinnedRing:
+    """``_RING`` pinned byte buffers, each with an event recorded after the copy out of it."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor | None] = [None] * _RING
+        self.events = [torch.cuda.Event() for _ in range(_RING)]
+        self.next = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The next buffer (index, uint8 tensor of at least ``nbytes``), its last copy done."""
+        slot, self.next = self.next, (self.next + 1) % _RING
+        self.events[slot].synchronize()  # (a never-recorded event returns at once)
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self.buffers[slot] = torch.empty(max(2 * nbytes, 1 << 16), dtype=torch.uint8,
+                                                      pin_memory=True)
+        return slot, buffer
+
+    def copied(self, slot: int) -> None:
+        self.events[slot].record()
+
+
+_rings = threading.local()  # device -> _PinnedRing, per thread
 
 
 @dataclass

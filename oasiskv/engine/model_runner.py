@@ -23,7 +23,8 @@ from oasiskv.attention.base import StepStats
 from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
 from oasiskv.engine.block_tables import BlockTableRows
 from oasiskv.engine.cuda_graph import CudaGraphRunner
-from oasiskv.engine.forward_batch import ForwardBatch, forward_context, to_device
+from oasiskv.engine.forward_batch import (ForwardBatch, forward_context, to_device,
+                                          to_device_many)
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence, TokenLogprobs
 from oasiskv.layers.sampler import SamplingTensors, sample, token_logprobs
@@ -176,8 +177,10 @@ class ModelRunner:
             if samples:
                 rows.append(end - 1)
                 seqs.append(seq)
-        if len(rows) < hidden.shape[0]:  # prefill chunks, extra rows: only sequences' last rows
-            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
+        if rows == list(range(len(rows))):  # decode: the first rows (extra rows follow them)
+            hidden = hidden[:len(rows)]
+        elif len(rows) < hidden.shape[0]:  # prefill chunks: only sequences' last rows
+            hidden = hidden[self._to_device(rows, torch.long)]
         return seqs, self.model.compute_logits(hidden)
 
     def _to_device(self, data, dtype) -> torch.Tensor:
@@ -197,11 +200,10 @@ class ModelRunner:
         pos += plan.extra_positions
         slots += [-1] * len(plan.extra_ids)
         tables = self.block_tables.build(batch.seqs)
-        return ForwardBatch(batch.is_prefill, self._to_device(ids, torch.long),
-                            self._to_device(pos, torch.long), self._to_device(slots, torch.long),
-                            self._to_device(tables, torch.int32), self._to_device(ctx, torch.int32),
-                            list(batch.num_tokens), [s.num_computed_tokens for s in batch.seqs],
-                            plan.meta)
+        return ForwardBatch(batch.is_prefill, *to_device_many(
+            [(ids, torch.long), (pos, torch.long), (slots, torch.long), (tables, torch.int32),
+             (ctx, torch.int32)], self.device),
+            list(batch.num_tokens), [s.num_computed_tokens for s in batch.seqs], plan.meta)
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor,
                 forced: list[int | None] | None = None) -> StepResult:
@@ -259,12 +261,12 @@ class ModelRunner:
         max_logprobs = max((x.logprobs for x in p if x.logprobs is not None), default=-1)
         if all(x.greedy for x in p):  # the common case copies nothing to the device
             return SamplingTensors(None, None, None, None, [], True, False, max_logprobs)
+        temperature, top_k, top_p, min_p = to_device_many(
+            [([0.0 if x.greedy else x.temperature for x in p], torch.float32),
+             ([x.top_k for x in p], torch.long), ([x.top_p for x in p], torch.float32),
+             ([x.min_p for x in p], torch.float32)], self.device)
         return SamplingTensors(
-            temperature=self._to_device([0.0 if x.greedy else x.temperature for x in p],
-                                        torch.float32),
-            top_k=self._to_device([x.top_k for x in p], torch.long),
-            top_p=self._to_device([x.top_p for x in p], torch.float32),
-            min_p=self._to_device([x.min_p for x in p], torch.float32),
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             generators=[self._seq_generator(s) for s in seqs],
             all_greedy=False,
             needs_filter=any(x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0
