@@ -16,6 +16,7 @@ _KERNELS = {
     "rms_norm": ("fused_ops", "rms_norm", "rms_norm_ref"),
     "qk_norm_rope": ("fused_ops", "qk_norm_rope", "qk_norm_rope_ref"),
     "silu_mul": ("fused_ops", "silu_mul", "silu_mul_ref"),
+    "fused_moe": ("fused_moe", "fused_moe", "fused_moe_ref"),
     "sparse_decode_attention": ("sparse_decode", "sparse_decode_attention", "sparse_decode_ref"),
     "block_scores": ("block_scores", "block_scores", "block_scores_ref"),
     "gather_blocks": ("uva_gather", "gather_blocks", "gather_blocks_ref"),

@@ -1,6 +1,7 @@
 """Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``,
-``fused_ops``, and the sparse path: ``sparse_decode``, ``block_scores``, ``uva_gather``,
-``summaries``, ``select_blocks``, ``promote_local``, ``wait_ready``, ``device_clock``).
+``fused_ops``, ``fused_moe``, and the sparse path: ``sparse_decode``, ``block_scores``,
+``uva_gather``, ``summaries``, ``select_blocks``, ``promote_local``, ``wait_ready``,
+``device_clock``).
 
 Same signatures and semantics as the kernels; math in fp32. The engine uses them on CPU, so they are
 vectorized over the batch (they do sync the host, e.g. on ``context_lens.max()``, so they are not
@@ -110,6 +111,22 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate.float()).to(gate.dtype).float()
             * up.float()).to(gate.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Torch twin of ``fused_moe.fused_moe``: for each token and each of its k experts e,
+    ``silu_mul(x @ w13[e]^T)`` rounded to x's dtype, ``@ w2[e]^T`` in fp32 times the routing
+    weight, summed over the k experts in fp32 and rounded to x's dtype. One pass per expert that
+    has tokens (the rows routed to it)."""
+    tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    y = torch.zeros(tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        h = silu_mul_ref((x[pairs // top_k].float() @ w13[e].float().T).to(x.dtype))
+        y[pairs] = (h.float() @ w2[e].float().T) * topk_weights.reshape(-1)[pairs, None].float()
+    return y.view(tokens, top_k, -1).sum(1).to(x.dtype)
 
 
 # ---------------------------------------------------------------- sparse (tiered-KV) decode path
