@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": dict(qk_norm=True, qkv_bias=False),
     "Qwen2ForCausalLM": dict(qk_norm=False, qkv_bias=True),
     "LlamaForCausalLM": dict(qk_norm=False, qkv_bias=False),
+    "Qwen3MoeForCausalLM": dict(qk_norm=True, qkv_bias=False),
 }
 
 
@@ -46,6 +47,34 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts MLPs (Qwen3-MoE): ``num_experts`` experts of ``intermediate_size``, each
+    token routed to ``top_k`` of them (softmax over the router logits, the top-k weights
+    renormalised to sum 1 when ``norm_topk_prob``); ``sparse_layers`` are the layers with experts,
+    the others keep the dense MLP."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, num_layers: int) -> "MoeConfig":
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # hub / transformers-5
+        if experts is None:
+            raise KeyError("num_experts")
+        top_k = cfg["num_experts_per_tok"]
+        if not 0 < top_k <= experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={experts}], "
+                             f"got {top_k}")
+        return cls(experts, top_k, cfg["moe_intermediate_size"],
+                   bool(cfg.get("norm_topk_prob", False)),
+                   tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture facts the decoder needs, read from an HF ``config.json`` (both rope
     spellings)."""
@@ -65,6 +94,7 @@ class ModelConfig:
     qkv_bias: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
@@ -82,6 +112,10 @@ class ModelConfig:
                 raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            if cfg.get("hidden_act", "silu") != "silu":
+                raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: silu")
+            moe = (MoeConfig.from_hf_dict(cfg, cfg["num_hidden_layers"])
+                   if arch == "Qwen3MoeForCausalLM" else None)
             return cls(
                 architecture=arch,
                 hidden_size=hidden,
@@ -97,6 +131,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
                 eos_token_ids=eos_ids,
+                moe=moe,
                 **ARCHITECTURES[arch],
             )
         except KeyError as exc:
@@ -109,6 +144,17 @@ class ModelConfig:
             return cls.from_hf_dict(json.loads(path.read_text()))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+    def num_parameters(self) -> int:
+        """Parameters of the model: embeddings, attention, dense MLPs, experts and routers (norms
+        and biases left out)."""
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attention = h * (self.num_heads * self.head_dim * 2 + 2 * kv)
+        sparse = len(self.moe.sparse_layers) if self.moe else 0
+        experts = self.moe.num_experts * (3 * h * self.moe.intermediate_size + h) if sparse else 0
+        return (self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+                + self.num_layers * attention + sparse * experts
+                + (self.num_layers - sparse) * 3 * h * self.intermediate_size)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V of one token over all layers stored as ``dtype`` (FP8: with scales)."""

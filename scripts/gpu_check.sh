@@ -2,7 +2,7 @@
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
-#        [compare] [fp8-bench]
+#        [compare] [fp8-bench] [moe-bench]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -20,9 +20,9 @@ summary=()
 HOST_GIB=${HOST_GIB:-96}
 KV_DTYPE=${KV_DTYPE:-auto}  # --kv-cache-dtype of oasis-real, oasis-emulated and profile-oasis
 REAL_LENS=${REAL_LENS:-16384,32768}  # oasis-real: context lengths, and REAL_MODES (default: dense sync ngram)
-bench() {  # name, then bench flags: Qwen3-8B shape, random weights; table to the log, last lines shown
+bench() {  # name, then bench flags: BENCH_MODEL (Qwen3-8B shape), random weights; table to the log
   local name=$1; shift
-  python3 -m oasiskv.cli --log-level WARNING bench qwen3-8b --max-num-seqs 256 "$@" 2>&1 \
+  python3 -m oasiskv.cli --log-level WARNING bench "${BENCH_MODEL:-qwen3-8b}" --max-num-seqs 256 "$@" 2>&1 \
     | tee "$OUT/$name.log" | grep -v '^{' | tail -8
   summary+=("$name: $(grep -E '^(oasis|oasiskv)' "$OUT/$name.log" | awk '{print $1, $2, $3, $5, $6, $7, $11, $12}' | tr '\n' '|')")
 }
@@ -89,6 +89,12 @@ for stage in $stages; do
         bench "emulated-$dt" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
           --kv-cache-dtype "$dt"
+      done ;;
+    moe-bench)  # Qwen3-30B-A3B shape: dense, then oasis (EMULATED host, ngram, async), 16K and 32K, max
+      for mode in dense oasis; do
+        flags=(--context-lens 16384,32768 --concurrency max --output-lens 32)
+        [ "$mode" = oasis ] && flags+=(--kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram)
+        BENCH_MODEL=qwen3-30b-a3b bench "moe-$mode" "${flags[@]}"
       done ;;
     kernels)
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30

@@ -12,27 +12,42 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=1024, rms_norm_eps=1e-6)
 
 
+#: Qwen3-MoE: 8 experts, 2 per token; layer 1 keeps a dense MLP (mixed layers)
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                norm_topk_prob=True, mlp_only_layers=[1])
+
+
 def write_tiny_checkpoint(path: Path, arch: str, old_rope_spelling: bool = False,
-                          **overrides) -> Path:
-    """Save a randomly initialised Qwen3 / Qwen2 / Llama model (fp32) to ``path`` with
-    transformers."""
+                          fused_experts: bool = False, **overrides) -> Path:
+    """Save a randomly initialised Qwen3 / Qwen2 / Llama / Qwen3-MoE model (fp32) to ``path`` with
+    transformers (which writes MoE experts one by one); ``fused_experts``: rewrite the weights
+    with the experts as 3-D tensors (transformers-5's in-memory layout)."""
     import transformers
     cls_cfg, cls_model = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
-    kw = dict(TINY, **overrides)
-    if arch == "qwen3":
+    kw = dict(TINY, **(TINY_MOE if arch == "qwen3-moe" else {}), **overrides)
+    if arch.startswith("qwen3"):
         kw.setdefault("head_dim", 32)
     torch.manual_seed(0)
     cfg = cls_cfg(**kw)
     model = cls_model(cfg).to(torch.float32)
-    with torch.no_grad():  # make biases and norms non-trivial so switches matter
+    with torch.no_grad():  # make biases, norms and routers non-trivial so switches matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
+    if fused_experts:
+        from safetensors.torch import save_file
+        for shard in path.glob("*.safetensors"):
+            shard.unlink()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  str(path / "model.safetensors"))
     if old_rope_spelling:
         raw = json.loads((path / "config.json").read_text())
         params = raw.pop("rope_parameters", None) or {}

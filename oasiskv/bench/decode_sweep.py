@@ -63,7 +63,8 @@ def _ints(text: str) -> list[str]:
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="bench preset (qwen3-8b, qwen3-32b, llama-3.1-8b, qwen3-tiny) with "
+                        help="bench preset (qwen3-8b, qwen3-32b, llama-3.1-8b, qwen3-30b-a3b, "
+                             "qwen3-tiny, qwen3-moe-tiny) with "
                              "random weights, or a checkpoint folder; default: qwen3-8b with a "
                              "GPU, qwen3-tiny without")
     parser.add_argument("--context-lens", default=None,
@@ -145,10 +146,7 @@ def fit_defaults(args: argparse.Namespace) -> None:
     from oasiskv.config import ModelConfig
     from oasiskv.models.loader import resolve_model_path
     cfg = ModelConfig.from_file(resolve_model_path(args.model) / "config.json")
-    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    params = (cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-              + cfg.num_layers * (h * (cfg.num_heads * cfg.head_dim * 2 + 2 * kv)
-                                  + 3 * h * cfg.intermediate_size))
+    params = cfg.num_parameters()
     need = 4 * params  # float32 on a CPU
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > 0.8 * ram:
@@ -271,7 +269,8 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.tok_s = batch_sum / seconds
         point.tpot_ms = 1e3 * seconds / steps
         point.kv_gb_per_step = kv_bytes / steps / 1e9
-        point.achieved_gb_s = (env["weights_gb"] + point.kv_gb_per_step) / (seconds / steps)
+        weights = weight_bytes(engine.runner.model, round(point.batch)) / 1e9  # MoE: routed only
+        point.achieved_gb_s = (weights + point.kv_gb_per_step) / (seconds / steps)
         point.roofline = point.achieved_gb_s / env["copy_gb_s"]
         point.pcie_gb_s = fetched / seconds / 1e9
         point.cap_fill = admitted / allowed if allowed else None

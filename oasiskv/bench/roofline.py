@@ -30,12 +30,23 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: i
     return 2 * nbytes * iters / seconds
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters one decode step reads: all of them, except an untied input embedding
-    (only a few rows of it are gathered)."""
+def weight_bytes(model: torch.nn.Module, tokens: int | None = None) -> int:
+    """Bytes of parameters one decode step of ``tokens`` tokens reads: all of them, except an untied
+    input embedding (only a few rows of it are gathered) and, in MoE layers, the experts no token
+    is routed to: a layer of E experts, k per token, is expected to touch E (1 - (1 - k/E)^tokens)
+    of them under uniform routing (random weights route about uniformly); every expert when
+    ``tokens`` is None."""
+    from oasiskv.layers.moe import Experts
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if getattr(model, "lm_head", None) is not None:
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    moe = getattr(getattr(model, "cfg", None), "moe", None)
+    if tokens is None or moe is None:
+        return total
+    untouched = (1 - moe.top_k / moe.num_experts) ** tokens
+    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        total -= round(untouched * sum(p.numel() * p.element_size()
+                                       for p in experts.parameters()))
     return total
 
 

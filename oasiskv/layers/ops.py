@@ -22,3 +22,9 @@ def qk_norm_rope(q, k, positions, cos_sin, q_weight, k_weight, eps: float) -> No
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I] -> [T, I]``: silu(gate) * up."""
     return kernel("silu_mul", gate_up.is_cuda)(gate_up)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """``[T, H] -> [T, H]``: each token's routed experts (``kernels/fused_moe.py``)."""
+    return kernel("fused_moe", x.is_cuda)(x, w13, w2, topk_weights, topk_ids)

@@ -1,10 +1,13 @@
-"""One decoder-only transformer for Llama, Qwen2 and Qwen3 checkpoints, selected by switches.
+"""One decoder-only transformer for Llama, Qwen2, Qwen3 and Qwen3-MoE checkpoints, selected by
+switches.
 
 Switches (from ``ModelConfig``): ``qk_norm`` (Qwen3: RMSNorm per head on q and k before RoPE),
-``qkv_bias`` (Qwen2), Llama-3 rope scaling (in ``RotaryEmbedding``), tied embeddings.
-Q/K/V and gate/up projections are fused into one matrix each; ``load_weights`` maps HF names onto
-the fused slices. The model works on flattened tokens ``[T]`` of a whole batch; attention finds its
-per-step metadata in the forward context, never in these signatures.
+``qkv_bias`` (Qwen2), Llama-3 rope scaling (in ``RotaryEmbedding``), tied embeddings, ``moe``
+(the layers it names get ``SparseMoE`` instead of the dense ``MLP``).
+Q/K/V and gate/up projections are fused into one matrix each, experts into 3-D tensors;
+``load_weights`` maps HF names onto the fused slices. The model works on flattened tokens ``[T]``
+of a whole batch; attention finds its per-step metadata in the forward context, never in these
+signatures.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from torch import nn
 from oasiskv.config import ModelConfig
 from oasiskv.layers import ops
 from oasiskv.layers.attention import Attention
+from oasiskv.layers.moe import MLP, SparseMoE
 from oasiskv.layers.rotary import RotaryEmbedding
 
 
@@ -44,8 +48,9 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(idx, hq, hk, d)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe)
+                    if cfg.moe is not None and idx in cfg.moe.sparse_layers
+                    else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -65,7 +70,7 @@ class DecoderLayer(nn.Module):
         ops.qk_norm_rope(q, k, positions, rotary.cos_sin, *norms, cfg.rms_norm_eps)
         h, residual = self.post_attention_layernorm(
             self.o_proj(self.attn(q, k, v).reshape(t, self.q_size)), residual)
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -95,59 +100,66 @@ class CausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     # ---- weights -------------------------------------------------------------------------------
+    #: HF projection -> (our fused parameter, its index among the fused parts)
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model. Raises ValueError on unknown names, wrong shapes,
-        or parameters the checkpoint did not provide."""
+        or parameters the checkpoint did not fill."""
         params = dict(self.named_parameters())
-        missing = {(name, off) for name in params for off in self._shard_offsets(name)}
+        filled = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
-            name, rows = self._map_name(hf_name)
+            name, expert, rows = self._map_name(hf_name)
             if name is None:
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in "
                                  f"{self.cfg.architecture}")
-            target = params[name].data if rows is None else params[name].data.narrow(0, *rows)
+            target = params[name].data
+            if expert is not None:
+                target = target[expert]
+            if rows is not None:
+                target = target.narrow(0, *rows)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target.shape)}: config.json does not match "
                                  f"the weights")
             target.copy_(tensor)
-            missing.discard((name, rows[0] if rows else 0))
+            filled[name] += target.numel()
+        missing = sorted(name for name, p in params.items() if filled[name] < p.numel())
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. "
-                             f"{sorted(missing)[:3]}")
+            raise ValueError(f"checkpoint is missing tensors for {len(missing)} parameters, e.g. "
+                             f"{missing[:3]}")
 
-    def _fused_sizes(self, fused: str) -> list[int]:
-        layer = self.layers[0]
-        if fused == "qkv_proj":
-            return [layer.q_size, layer.kv_size, layer.kv_size]
-        return [self.cfg.intermediate_size] * 2
-
-    def _shard_offsets(self, name: str) -> list[int]:
-        fused = name.split(".")[-2]
-        if fused not in ("qkv_proj", "gate_up_proj"):
-            return [0]
-        sizes = self._fused_sizes(fused)
-        return [sum(sizes[:i]) for i in range(len(sizes))]
-
-    def _map_name(self, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
-        """HF tensor name -> (our parameter name, (row offset, rows) of a fused slice or None)."""
+    def _map_name(self, hf_name: str) -> tuple[str | None, int | None, tuple[int, int] | None]:
+        """HF tensor name -> (our parameter name, the expert it is one of (per-expert checkpoint
+        layout) or None, (row offset, rows) of a fused slice or None); name None: not ours."""
         if "rotary_emb" in hf_name:
-            return None, None
-        name = hf_name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
+            return None, None, None
+        name = hf_name.removeprefix("model.").replace("self_attn.", "")
         if name == "lm_head.weight" and self.lm_head is None:
-            return None, None
+            return None, None, None
         parts = name.split(".")
-        if len(parts) >= 3 and parts[-2] in self._FUSED:
-            fused, shard = self._FUSED[parts[-2]]
-            sizes = self._fused_sizes(fused)
-            parts[-2] = fused
-            return ".".join(parts), (sum(sizes[:shard]), sizes[shard])
-        return name, None
+        expert, at = None, -2  # at: the projection's part of the name (before ".weight")
+        if len(parts) == 7 and parts[3] == "experts" and parts[4].isdigit():  # per-expert layout
+            expert, at = int(parts.pop(4)), -1
+            parts.pop()  # layers.i.mlp.experts.{e}.gate_proj.weight -> ...experts.gate_proj
+        if len(parts) >= 3 and parts[at] in self._FUSED:
+            fused, shard = self._FUSED[parts[at]]
+            sizes = self._fused_sizes(int(parts[1]), fused)
+            parts[at] = fused
+            return ".".join(parts), expert, (sum(sizes[:shard]), sizes[shard])
+        return ".".join(parts), expert, None
+
+    def _fused_sizes(self, layer: int, fused: str) -> list[int]:
+        """Rows of each part of a fused projection of ``layers[layer]``."""
+        block = self.layers[layer]
+        if fused == "qkv_proj":
+            return [block.q_size, block.kv_size, block.kv_size]
+        if isinstance(block.mlp, SparseMoE):
+            return [block.mlp.moe.intermediate_size] * 2
+        return [self.cfg.intermediate_size] * 2
 
     def init_random(self, std: float = 0.02, seed: int = 0) -> None:
         """Random weights (benchmarks with real shapes): normal(0, std) matrices, unit norms."""

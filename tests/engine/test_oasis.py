@@ -52,6 +52,17 @@ def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw, kv_cache_
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_moe_oasis_equals_dense_when_k_covers_every_block(tmp_path, draft):
+    """Qwen3-MoE (experts in all layers but one): the tiered KV path does not care what the MLP
+    is; with every block resident it decodes dense's tokens, synchronous or lookahead."""
+    path = write_tiny_checkpoint(tmp_path / "moe", "qwen3-moe")
+    batch = prompts(4, seed=3)
+    llm = LLM(str(path), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
+              draft=draft)
+    assert [o.token_ids for o in llm.generate(batch, GREEDY)] == dense_tokens(path, batch)
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
 def test_sequences_recomputed_in_chunks_are_reseeded(tmp_path, draft):
     """A preempted sequence is recomputed in chunks that can stop one token short of its end (decode
     computes that token): its working set must be seeded there, not only when a chunk ends a
