@@ -43,9 +43,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     if not args.quiet_prompt:
         sys.stdout.write(prompt)
-    for out in llm.stream(prompt, params):
-        sys.stdout.write(out.new_text)
-        sys.stdout.flush()
+    try:
+        for out in llm.stream(prompt, params):
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    finally:
+        llm.close()
     sys.stdout.write("\n")
     print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0

@@ -145,6 +145,25 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
 
+    def shard(self, size: int) -> "ModelConfig":
+        """This config as one of ``size`` tensor-parallel ranks sees it: its query and kv heads,
+        its share of the MLP and expert widths (the vocabulary stays whole: the embedding splits
+        it). ValueError when something does not divide."""
+        if size == 1:
+            return self
+        counts = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                  "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
+        if self.moe is not None:
+            counts["moe_intermediate_size"] = self.moe.intermediate_size
+        for name, n in counts.items():
+            if n % size:
+                raise ValueError(f"{name} ({n}) does not divide by tensor_parallel_size {size}")
+        moe = (None if self.moe is None
+               else replace(self.moe, intermediate_size=self.moe.intermediate_size // size))
+        return replace(self, num_heads=self.num_heads // size,
+                       num_kv_heads=self.num_kv_heads // size,
+                       intermediate_size=self.intermediate_size // size, moe=moe)
+
     def num_parameters(self) -> int:
         """Parameters of the model: embeddings, attention, dense MLPs, experts and routers (norms
         and biases left out)."""
@@ -245,6 +264,8 @@ class EngineConfig:
     max_graph_batch: int = _opt(256, "largest decode batch captured in a CUDA graph")
     seed: int = _opt(0, "seed for random sampling of requests without their own seed")
     load_format: str = _opt("auto", "auto (safetensors) or dummy (random weights, for benchmarks)")
+    tensor_parallel_size: int = _opt(1, "ranks the model is split over (one process and, with "
+                                     "CUDA, one GPU each; rank r on cuda:r); dense KV only")
     kv_mode: str = _opt("dense", "dense (paged KV in HBM) or oasis (full KV in host memory, "
                         "per-head working sets of topk_blocks blocks in HBM)")
     kv_cache_dtype: str = _opt("auto", "how K/V are stored (paged pool, host store, working sets): "
@@ -271,6 +292,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tier.lookahead and self.kv_mode != "oasis":
             raise ValueError("draft (lookahead) needs kv_mode=oasis")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_mode != "dense":
+            raise ValueError("tensor_parallel_size > 1 runs kv_mode=dense only (the tiered KV "
+                             "path is not split over ranks yet)")
         parse_dtype(self.dtype)
 
     @classmethod

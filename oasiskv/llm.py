@@ -44,6 +44,10 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes, if any."""
+        self.engine.close()
+
     def stream(self, prompt: str | list[int],
                params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield incremental outputs of one request as they are produced."""

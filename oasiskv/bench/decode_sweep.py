@@ -83,6 +83,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks the model is split over (dense KV only)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768,
                         help="prefill tokens per step; >= the context avoids chunking")
     parser.add_argument("--num-kv-blocks", type=int, default=0)
@@ -117,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs, kv_mode=args.kv_mode,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
         draft=args.draft, prefetch=args.prefetch)
 
@@ -171,6 +173,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         for ctx, conc, out in tqdm(grid, desc="oasiskv bench", file=sys.stderr):
             points.append(bench_point(engine, ctx, conc, out, env, args.seed))
         hf_model_path, dtype, device = engine.model_path, engine.runner.dtype, engine.runner.device
+        engine.close()
         del engine
         gc.collect()
         if device.type == "cuda":

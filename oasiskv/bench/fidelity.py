@@ -255,6 +255,7 @@ def lookahead_run(args, base: dict, host_gib: float, wins: list[list[int]], spec
 def _free(engine: LLMEngine) -> None:
     """Give an engine's device memory back before the next one sizes its storage from what is
     free."""
+    engine.close()
     del engine.runner
     gc.collect()
     if torch.cuda.is_available():

@@ -94,7 +94,16 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_file(self.model_path / "config.json")
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.runner = ModelRunner(config, self.model_path, self.model_config, backend_factory)
+        self.driver = None
+        if config.tensor_parallel_size > 1:
+            from oasiskv.engine.tensor_parallel import TensorParallelDriver
+            self.driver = TensorParallelDriver(config, self.model_path)
+        try:
+            self.runner = ModelRunner(config, self.model_path, self.model_config, backend_factory,
+                                      self.driver)
+        except Exception:
+            self.close()
+            raise
         self.max_model_len = self.runner.max_model_len
         self.allocator = self.runner.backend.make_allocator()
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs,
@@ -154,6 +163,13 @@ class LLMEngine:
         self.scheduler.abort(req.seq)
         self._update_queue_stats()
         return True
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do with one rank). The engine runs
+        no step after this."""
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -27,6 +27,7 @@ from oasiskv.engine.forward_batch import (ForwardBatch, forward_context, to_devi
                                           to_device_many)
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence, TokenLogprobs
+from oasiskv.layers.parallel import TensorParallel, building
 from oasiskv.layers.sampler import SamplingTensors, sample, token_logprobs
 from oasiskv.models.loader import load_model
 
@@ -81,19 +82,26 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 class ModelRunner:
+    """``tp``: this runner's rank of a tensor-parallel engine (``engine/tensor_parallel.py``; one
+    rank when None); ``driver``: rank 0's, which sends each step to the other ranks before it runs
+    here (and gives ``tp``)."""
+
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
-                 backend_factory: BackendFactory = make_backend):
-        self.config, self.model_config = config, model_config
+                 backend_factory: BackendFactory = make_backend, driver=None,
+                 tp: TensorParallel | None = None):
+        self.config, self.model_config, self.driver = config, model_config, driver
+        self.tp = driver.tp if driver is not None else tp or TensorParallel()
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # weights, pools and graphs live on it
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         max_len = config.max_model_len or model_config.max_position_embeddings
-        self.model = load_model(model_path, model_config, self.dtype, self.device,
-                                max(max_len, model_config.max_position_embeddings),
-                                config.load_format)
+        with building(self.tp):
+            self.model = load_model(model_path, model_config, self.dtype, self.device,
+                                    max(max_len, model_config.max_position_embeddings),
+                                    config.load_format)
         self.backend = backend_factory(config, self.model, self.dtype, self.device)
-        self.backend.allocate(self._measure_budget() if self.device.type == "cuda" else None)
+        self.backend.allocate(self._shared_budget() if self.device.type == "cuda" else None)
         self.max_model_len = min(max_len, self.backend.max_tokens_per_seq)
         if self.max_model_len < max_len:
             logger.warning("max_model_len lowered from %d to %d: the KV storage holds only %d "
@@ -108,6 +116,17 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.backend,
                                           min(config.max_graph_batch, config.max_num_seqs),
                                           self.max_blocks_per_seq, self.device)
+
+    def _shared_budget(self) -> int:
+        """``_measure_budget``, the smallest over the tensor-parallel ranks (their KV pools must
+        have the same blocks: rank 0 allocates for all)."""
+        budget = self._measure_budget()
+        if self.tp.size > 1:
+            shared = torch.tensor([budget], device=self.device)
+            torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MIN,
+                                         group=self.tp.group)
+            budget = int(shared.item())
+        return budget
 
     def _measure_budget(self) -> int:
         """Warm up with the largest prefill, then return the device bytes
@@ -135,6 +154,8 @@ class ModelRunner:
         """One step: forward, then the next token of every sequence whose tokens are all computed:
         sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score
         it)."""
+        if self.driver is not None:
+            self.driver.step(batch, forced)
         return self._sample(batch, self.forward(batch), forced)
 
     @torch.inference_mode()

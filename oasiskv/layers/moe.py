@@ -14,15 +14,18 @@ from torch import nn
 
 from oasiskv.config import MoeConfig
 from oasiskv.layers import ops
+from oasiskv.layers.parallel import RowLinear, all_reduce, column_linear, current, split_param
 
 
 class MLP(nn.Module):
-    """``[T, H] -> [T, H]``: ``down(silu(gate(x)) * up(x))``."""
+    """``[T, H] -> [T, H]``: ``down(silu(gate(x)) * up(x))``; ``intermediate``: this rank's width
+    (tensor parallelism splits it)."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.intermediate = intermediate
+        self.gate_up_proj = column_linear(hidden, 2 * self.intermediate)
+        self.down_proj = RowLinear(self.intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -40,23 +43,31 @@ def route(logits: torch.Tensor, top_k: int,
 
 
 class Experts(nn.Module):
+    """Every expert's weights, this rank's share of each expert's width (column / row split as the
+    dense MLP's)."""
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_proj = split_param(
+            nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden)), "column")
+        self.down_proj = split_param(
+            nn.Parameter(torch.empty(num_experts, hidden, intermediate)), "row")
 
 
 class SparseMoE(nn.Module):
     """``[T, H] -> [T, H]``: each token through its ``top_k`` experts (``route``), their outputs
-    summed with the routing weights (``ops.fused_moe``)."""
+    summed with the routing weights (``ops.fused_moe``); under tensor parallelism every rank runs
+    every expert on its share of the width and the ranks' outputs are summed."""
 
     def __init__(self, hidden: int, moe: MoeConfig):
         super().__init__()
         self.moe = moe
+        self.intermediate, self.tp = moe.intermediate_size, current()
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size)
+        self.experts = Experts(moe.num_experts, hidden, self.intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.moe.top_k,
                              self.moe.norm_topk_prob)
-        return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return all_reduce(ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj,
+                                        weights, ids), self.tp)

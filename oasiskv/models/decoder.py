@@ -14,13 +14,14 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.config import ModelConfig
 from oasiskv.layers import ops
 from oasiskv.layers.attention import Attention
 from oasiskv.layers.moe import MLP, SparseMoE
+from oasiskv.layers.parallel import (RowLinear, VocabEmbedding, column_linear, current,
+                                     gather_logits, shard_for_rank)
 from oasiskv.layers.rotary import RotaryEmbedding
 
 
@@ -42,9 +43,9 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = hq * d, hk * d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = column_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                      bias=cfg.qkv_bias)
+        self.o_proj = RowLinear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(idx, hq, hk, d)
@@ -75,17 +76,21 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """The shared decoder. ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``;
-    ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in float32."""
+    ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in float32. Under tensor parallelism
+    (``layers/parallel.py``, built inside ``building``) it is this rank's part: ``cfg`` is
+    ``ModelConfig.shard`` of the checkpoint's config (its heads and MLP widths), what the attention
+    backends size storage from."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = current()
+        cfg = self.cfg = cfg.shard(self.tp.size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                        else column_linear(cfg.hidden_size, self.embed_tokens.shard))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states. Each layer returns (block output, residual): the residual stream
@@ -97,7 +102,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return gather_logits(hidden, weight, self.tp)
 
     # ---- weights -------------------------------------------------------------------------------
     #: HF projection -> (our fused parameter, its index among the fused parts)
@@ -116,6 +121,9 @@ class CausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in "
                                  f"{self.cfg.architecture}")
+            # this rank's slice (experts' gate and up fused on disk: each half cut on its own)
+            fused_experts = name.endswith("experts.gate_up_proj") and expert is None
+            tensor = shard_for_rank(tensor, params[name], self.tp, 2 if fused_experts else 1)
             target = params[name].data
             if expert is not None:
                 target = target[expert]
@@ -153,13 +161,11 @@ class CausalLM(nn.Module):
         return ".".join(parts), expert, None
 
     def _fused_sizes(self, layer: int, fused: str) -> list[int]:
-        """Rows of each part of a fused projection of ``layers[layer]``."""
+        """Rows of each part of a fused projection of ``layers[layer]`` (this rank's)."""
         block = self.layers[layer]
         if fused == "qkv_proj":
             return [block.q_size, block.kv_size, block.kv_size]
-        if isinstance(block.mlp, SparseMoE):
-            return [block.mlp.moe.intermediate_size] * 2
-        return [self.cfg.intermediate_size] * 2
+        return [block.mlp.intermediate] * 2
 
     def init_random(self, std: float = 0.02, seed: int = 0) -> None:
         """Random weights (benchmarks with real shapes): normal(0, std) matrices, unit norms."""

@@ -207,6 +207,8 @@ class AsyncEngine:
         self._shutdown()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()
 
     def _dispatch(self, items: list[tuple[str, RequestOutput | APIError]]) -> None:
         for rid, item in items:

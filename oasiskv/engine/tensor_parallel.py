@@ -1,0 +1,228 @@
+"""Tensor-parallel execution: the engine's process is rank 0 and drives ranks 1..n-1, one worker
+process each, in lockstep (nano-vllm's shape).
+
+Every rank holds its part of the model (``layers/parallel.py``) and its own KV storage for its kv
+heads, and runs the same ``ModelRunner.run`` / ``finish`` on the same batch, so their collectives
+(row-parallel sums, the embedding's sum, the logits' gather) pair up; the workers' sampled tokens
+are discarded. Before each step rank 0 sends every worker, over a pipe, what it needs to rebuild
+the step's batch: for each scheduled sequence the tokens it has not seen yet, its computed-token
+count, the new part of its block table (the whole table when the list was replaced), its sampling
+parameters the first time, and the sequences that have finished since. Scheduling, allocation and
+text stay on rank 0. Collectives run on gloo (CPU) or NCCL (CUDA) with a timeout; a worker that has
+exited makes the next step raise ``RuntimeError`` naming its rank (and every step after it), never
+a hang. Dense KV only for now: the tiered backend keeps per-sequence state in its allocator, which
+lives on rank 0.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from oasiskv.config import EngineConfig
+from oasiskv.engine.scheduler import ScheduledBatch
+from oasiskv.engine.sequence import Sequence
+from oasiskv.layers.parallel import TensorParallel
+from oasiskv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+POLL_SECONDS = 1.0  # a worker checks this often whether rank 0 is still there
+
+
+@dataclass
+class SeqUpdate:
+    """What a worker learns of one scheduled sequence before a step."""
+    seq_id: int
+    tokens: list[int]  # token ids after the ones it has
+    num_computed_tokens: int
+    table: list[int]  # block table entries from ``table_from`` on
+    table_from: int
+    num_prompt_logprobs: int
+    prompt_len: int = 0  # the first update of a sequence: its prompt length and parameters
+    params: SamplingParams | None = None
+
+
+@dataclass
+class StepMessage:
+    updates: list[SeqUpdate]
+    num_tokens: list[int]
+    is_prefill: bool
+    forced: list[int | None] | None
+    finished: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Sent:
+    seq: Sequence
+    tokens: int
+    table: list[int]
+    table_len: int
+
+
+def _join(rank: int, size: int, port: int, device: torch.device) -> TensorParallel:
+    """Join the process group; returns this rank's place in it."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r runs on GPU r (with ``device`` auto or cuda), else on the CPU."""
+    if config.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", rank)
+
+
+class TensorParallelDriver:
+    """Rank 0's side: starts the ``tensor_parallel_size - 1`` workers for ``model_path`` and joins
+    the process group with them (so the model rank 0 builds next is its part); ``step`` sends a
+    step to the workers, ``close`` stops them."""
+
+    def __init__(self, config: EngineConfig, model_path: Path):
+        size = config.tensor_parallel_size
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(config, model_path, rank, size, port,
+                                                          child, os.getpid()),
+                               daemon=True, name=f"oasiskv-tp{rank}")
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        self.device = _rank_device(config, 0)
+        self._sent: dict[int, _Sent] = {}
+        self._broken: str | None = None
+        try:
+            self.tp = _join(0, size, port, self.device)
+        except Exception:
+            self.close()
+            raise
+
+    def check(self) -> None:
+        """Raise RuntimeError when a worker has exited (then on every later call)."""
+        if self._broken is None:
+            for rank, proc in enumerate(self.procs, 1):
+                if not proc.is_alive():
+                    self._broken = (f"tensor-parallel rank {rank} exited (code {proc.exitcode}); "
+                                    f"the engine cannot run steps any more")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    def step(self, batch: ScheduledBatch, forced: list[int | None] | None) -> None:
+        """Send the workers ``batch`` (and the teacher-forced tokens) before rank 0 runs it."""
+        self.check()
+        message = StepMessage([self._update(s) for s in batch.seqs], list(batch.num_tokens),
+                              batch.is_prefill, forced, self._finished())
+        try:
+            for pipe in self.pipes:
+                pipe.send(("step", message))
+        except (BrokenPipeError, EOFError, OSError):
+            self.check()
+            raise
+
+    def _update(self, seq: Sequence) -> SeqUpdate:
+        sent = self._sent.get(seq.seq_id)
+        first = sent is None
+        if first:
+            sent = self._sent[seq.seq_id] = _Sent(seq, 0, seq.block_table, 0)
+        table_from = sent.table_len
+        if seq.block_table is not sent.table or len(seq.block_table) < sent.table_len:
+            table_from = 0  # a new list (preemption, prefix reuse): send it whole
+        update = SeqUpdate(seq.seq_id, seq.token_ids[sent.tokens:], seq.num_computed_tokens,
+                           seq.block_table[table_from:], table_from, len(seq.prompt_logprobs),
+                           seq.num_prompt_tokens if first else 0, seq.params if first else None)
+        sent.tokens, sent.table, sent.table_len = (len(seq.token_ids), seq.block_table,
+                                                   len(seq.block_table))
+        return update
+
+    def _finished(self) -> list[int]:
+        done = [sid for sid, sent in self._sent.items() if sent.seq.is_finished]
+        for sid in done:
+            del self._sent[sid]
+        return done
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(("exit", None))
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Mirror:
+    """A worker's copies of the sequences rank 0 schedules."""
+
+    def __init__(self):
+        self.seqs: dict[int, Sequence] = {}
+
+    def batch(self, message: StepMessage) -> ScheduledBatch:
+        for sid in message.finished:
+            self.seqs.pop(sid, None)
+        seqs = []
+        for u in message.updates:
+            seq = self.seqs.get(u.seq_id)
+            if seq is None:
+                seq = self.seqs[u.seq_id] = Sequence(u.tokens[:u.prompt_len], u.params,
+                                                     seq_id=u.seq_id)
+                u.tokens = u.tokens[u.prompt_len:]
+            for token in u.tokens:
+                seq.append_token(token)
+            seq.num_computed_tokens = u.num_computed_tokens
+            seq.block_table = (seq.block_table[:u.table_from] if u.table_from else []) + u.table
+            seq.prompt_logprobs = [None] * u.num_prompt_logprobs
+            seqs.append(seq)
+        return ScheduledBatch(seqs, message.num_tokens, message.is_prefill)
+
+
+def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, port: int,
+                 pipe, parent_pid: int) -> None:
+    """Rank ``rank``: build its part of the model and run every step rank 0 sends, until told to
+    exit or rank 0 is gone."""
+    from oasiskv.config import ModelConfig
+    from oasiskv.engine.model_runner import ModelRunner
+    device = _rank_device(config, rank)
+    if device.type == "cuda":
+        config = replace(config, device=str(device))
+    tp = _join(rank, size, port, device)
+    runner = ModelRunner(config, model_path, ModelConfig.from_file(model_path / "config.json"),
+                         tp=tp)
+    mirror = _Mirror()
+    while True:
+        if not pipe.poll(POLL_SECONDS):
+            if os.getppid() != parent_pid:
+                break  # rank 0 is gone
+            continue
+        try:
+            kind, message = pipe.recv()
+        except EOFError:
+            break
+        if kind == "exit":
+            break
+        batch = mirror.batch(message)
+        runner.run(batch, message.forced)
+        runner.finish(batch)
+    dist.destroy_process_group()

@@ -1,0 +1,94 @@
+"""Tensor parallelism on CPU: rank 0 in this process, rank 1 a real worker process, collectives on
+gloo. TP = 2 gives TP = 1's greedy tokens; a rank that dies ends the engine's steps with a clear
+error."""
+import random
+import time
+
+import pytest
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.config import ModelConfig
+from tests.helpers import write_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 320) for _ in range(rng.randrange(5, 80))] for _ in range(n)]
+
+
+def _tokens(llm: LLM, batch, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate(batch, params)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3-moe"])
+def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
+    path = write_tiny_checkpoint(tmp_path / arch, arch)
+    batch = prompts(5, seed=1)
+    want = _tokens(LLM(str(path), device="cpu", num_kv_blocks=256), batch)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=256, tensor_parallel_size=2,
+              max_num_batched_tokens=64)  # chunked prefill too
+    try:
+        assert llm.engine.runner.model.cfg.num_kv_heads == 1  # this rank's share of 2
+        assert _tokens(llm, batch) == want
+        # logprobs, prompt logprobs and seeded sampling follow the same collectives
+        params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2,
+                                prompt_logprobs=1)
+        # (a one-rank engine in the same process as a two-rank one)
+        one = LLM(str(path), device="cpu", num_kv_blocks=256).generate(batch[:2], params)
+        two = llm.generate(batch[:2], params)
+        assert all(o.error is None and len(o.token_ids) == 6 for o in one + two)
+        assert [o.token_ids for o in two] == [o.token_ids for o in one]
+        for a, b in zip(one, two):
+            for x, y in zip(a.prompt_logprobs[1:] + a.logprobs, b.prompt_logprobs[1:] + b.logprobs):
+                assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    finally:
+        llm.close()
+
+
+def test_fixture_target_two_ranks_equal_one(fixtures_path):
+    target = str(fixtures_path / "target")
+    batch = prompts(3, seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = _tokens(LLM(target, device="cpu", dtype="float32", num_kv_blocks=512), batch, params)
+    llm = LLM(target, device="cpu", dtype="float32", num_kv_blocks=512, tensor_parallel_size=2)
+    try:
+        assert _tokens(llm, batch, params) == want
+    finally:
+        llm.close()
+
+
+def test_a_dead_rank_ends_steps_with_an_error_not_a_hang(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    llm = LLM(str(path), device="cpu", num_kv_blocks=256, tensor_parallel_size=2)
+    try:
+        assert len(_tokens(llm, prompts(1))[0]) == 16
+        worker = llm.engine.driver.procs[0]
+        worker.kill()
+        worker.join(5)
+        start = time.monotonic()
+        outs = llm.generate(prompts(2, seed=7), GREEDY)
+        assert time.monotonic() - start < 60
+        for out in outs:
+            assert out.finish_reason == "error" and "tensor-parallel rank 1 exited" in out.error
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            llm.engine.driver.check()
+    finally:
+        llm.close()
+
+
+def test_shapes_that_do_not_divide_are_refused():
+    cfg = ModelConfig.from_hf_dict(dict(architectures=["Qwen3ForCausalLM"], hidden_size=64,
+                                        intermediate_size=96, num_hidden_layers=1,
+                                        num_attention_heads=6, num_key_value_heads=3,
+                                        vocab_size=321))
+    assert (cfg.shard(3).num_kv_heads, cfg.shard(3).intermediate_size) == (1, 32)
+    with pytest.raises(ValueError, match="num_key_value_heads .3. does not divide by "
+                                         "tensor_parallel_size 2"):
+        cfg.shard(2)
+    with pytest.raises(ValueError, match="kv_mode=dense only"):
+        LLM("", tensor_parallel_size=2, kv_mode="oasis")
