@@ -265,7 +265,8 @@ class EngineConfig:
     seed: int = _opt(0, "seed for random sampling of requests without their own seed")
     load_format: str = _opt("auto", "auto (safetensors) or dummy (random weights, for benchmarks)")
     tensor_parallel_size: int = _opt(1, "ranks the model is split over (one process and, with "
-                                     "CUDA, one GPU each; rank r on cuda:r); dense KV only")
+                                     "CUDA, one GPU each; rank r on cuda:r); the tiered KV "
+                                     "host store (host_kv_gib) is split over them too")
     kv_mode: str = _opt("dense", "dense (paged KV in HBM) or oasis (full KV in host memory, "
                         "per-head working sets of topk_blocks blocks in HBM)")
     kv_cache_dtype: str = _opt("auto", "how K/V are stored (paged pool, host store, working sets): "
@@ -294,9 +295,6 @@ class EngineConfig:
             raise ValueError("draft (lookahead) needs kv_mode=oasis")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.kv_mode != "dense":
-            raise ValueError("tensor_parallel_size > 1 runs kv_mode=dense only (the tiered KV "
-                             "path is not split over ranks yet)")
         parse_dtype(self.dtype)
 
     @classmethod

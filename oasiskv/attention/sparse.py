@@ -20,6 +20,7 @@ With K >= the number of complete blocks and no cap, every block stays resident: 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -52,6 +53,9 @@ class SparseBackend(AttentionBackend):
                  device: torch.device, probes: TierProbes | None = None,
                  drafter: Drafter | None = None):
         tier, cfg = config.tier, model.cfg
+        ranks = model.tp.size if hasattr(model, "tp") else 1
+        if ranks > 1:  # each tensor-parallel rank stores its kv heads: its share of the host store
+            tier = replace(tier, host_kv_gib=tier.host_kv_gib / ranks)
         self.config, self.device = config, device
         layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                               tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype))

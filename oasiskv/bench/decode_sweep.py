@@ -127,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0) -> LLMEngine:
     """The engine a bench point runs: in oasis mode with the harness's probes (an emulated host
     store of ``emulated_host_gib`` GiB when > 0)."""
-    if config.kv_mode != "oasis":
+    if config.kv_mode != "oasis" or not emulated_host_gib:
         return LLMEngine(config)
     probes = TierProbes(host_store=emulated_host(emulated_host_gib) if emulated_host_gib else None)
     return LLMEngine(config, backend_factory=oasis_backend(probes))

@@ -155,7 +155,8 @@ class ModelRunner:
         sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score
         it)."""
         if self.driver is not None:
-            self.driver.step(batch, forced)
+            self.driver.step(batch, forced,
+                             getattr(getattr(self.backend, "allocator", None), "slot_of", None))
         return self._sample(batch, self.forward(batch), forced)
 
     @torch.inference_mode()

@@ -2,16 +2,19 @@
 process each, in lockstep (nano-vllm's shape).
 
 Every rank holds its part of the model (``layers/parallel.py``) and its own KV storage for its kv
-heads, and runs the same ``ModelRunner.run`` / ``finish`` on the same batch, so their collectives
+heads (dense pool, or tiered: host store, working sets, summaries and mapping tables of its heads),
+and runs the same ``ModelRunner.run`` / ``finish`` on the same batch, so their collectives
 (row-parallel sums, the embedding's sum, the logits' gather) pair up; the workers' sampled tokens
-are discarded. Before each step rank 0 sends every worker, over a pipe, what it needs to rebuild
-the step's batch: for each scheduled sequence the tokens it has not seen yet, its computed-token
-count, the new part of its block table (the whole table when the list was replaced), its sampling
-parameters the first time, and the sequences that have finished since. Scheduling, allocation and
-text stay on rank 0. Collectives run on gloo (CPU) or NCCL (CUDA) with a timeout; a worker that has
-exited makes the next step raise ``RuntimeError`` naming its rank (and every step after it), never
-a hang. Dense KV only for now: the tiered backend keeps per-sequence state in its allocator, which
-lives on rank 0.
+are discarded. Before each step rank 0 sends every worker, over a pipe, what it needs: for each
+sequence of this step and of the last one, the tokens it has not seen yet (so the last step's
+sampled tokens too), its computed-token count, the new part of its block table (the whole table
+when the list was replaced), its working-set slot (tiered), its sampling parameters the first time;
+then which of them this step schedules, and the sequences that have finished. A worker ends the
+last step (``finish``: the tiered backend's drafter observes the sampled tokens there) once it has
+those tokens, before it runs the next. Scheduling and allocation stay on rank 0 (a worker's tiered
+allocator only mirrors the slots). Collectives run on gloo (CPU) or NCCL (CUDA) with a timeout; a
+worker that has exited makes the next step raise ``RuntimeError`` naming its rank (and every step
+after it), never a hang.
 """
 from __future__ import annotations
 
@@ -40,20 +43,22 @@ POLL_SECONDS = 1.0  # a worker checks this often whether rank 0 is still there
 
 @dataclass
 class SeqUpdate:
-    """What a worker learns of one scheduled sequence before a step."""
+    """What a worker learns of one sequence before a step."""
     seq_id: int
     tokens: list[int]  # token ids after the ones it has
     num_computed_tokens: int
     table: list[int]  # block table entries from ``table_from`` on
     table_from: int
     num_prompt_logprobs: int
+    slot: int | None  # its working-set slot (tiered KV)
     prompt_len: int = 0  # the first update of a sequence: its prompt length and parameters
     params: SamplingParams | None = None
 
 
 @dataclass
 class StepMessage:
-    updates: list[SeqUpdate]
+    updates: list[SeqUpdate]  # the sequences of this step and of the last one
+    scheduled: list[int]  # this step's sequences, in batch order
     num_tokens: list[int]
     is_prefill: bool
     forced: list[int | None] | None
@@ -109,6 +114,7 @@ class TensorParallelDriver:
             self.procs.append(proc)
         self.device = _rank_device(config, 0)
         self._sent: dict[int, _Sent] = {}
+        self._last: list[Sequence] = []  # the last step's sequences
         self._broken: str | None = None
         try:
             self.tp = _join(0, size, port, self.device)
@@ -126,11 +132,16 @@ class TensorParallelDriver:
         if self._broken is not None:
             raise RuntimeError(self._broken)
 
-    def step(self, batch: ScheduledBatch, forced: list[int | None] | None) -> None:
-        """Send the workers ``batch`` (and the teacher-forced tokens) before rank 0 runs it."""
+    def step(self, batch: ScheduledBatch, forced: list[int | None] | None,
+             slot_of: dict[int, int] | None = None) -> None:
+        """Send the workers ``batch`` (with the teacher-forced tokens and, tiered, the working-set
+        slots ``slot_of``) before rank 0 runs it."""
         self.check()
-        message = StepMessage([self._update(s) for s in batch.seqs], list(batch.num_tokens),
+        seqs = {s.seq_id: s for s in self._last} | {s.seq_id: s for s in batch.seqs}
+        message = StepMessage([self._update(s, slot_of) for s in seqs.values()],
+                              [s.seq_id for s in batch.seqs], list(batch.num_tokens),
                               batch.is_prefill, forced, self._finished())
+        self._last = list(batch.seqs)
         try:
             for pipe in self.pipes:
                 pipe.send(("step", message))
@@ -138,7 +149,7 @@ class TensorParallelDriver:
             self.check()
             raise
 
-    def _update(self, seq: Sequence) -> SeqUpdate:
+    def _update(self, seq: Sequence, slot_of: dict[int, int] | None) -> SeqUpdate:
         sent = self._sent.get(seq.seq_id)
         first = sent is None
         if first:
@@ -148,12 +159,15 @@ class TensorParallelDriver:
             table_from = 0  # a new list (preemption, prefix reuse): send it whole
         update = SeqUpdate(seq.seq_id, seq.token_ids[sent.tokens:], seq.num_computed_tokens,
                            seq.block_table[table_from:], table_from, len(seq.prompt_logprobs),
+                           None if slot_of is None else slot_of.get(seq.seq_id),
                            seq.num_prompt_tokens if first else 0, seq.params if first else None)
         sent.tokens, sent.table, sent.table_len = (len(seq.token_ids), seq.block_table,
                                                    len(seq.block_table))
         return update
 
     def _finished(self) -> list[int]:
+        """Sequences that finished since the last step (after this message has sent their last
+        tokens: the last step's sequences are updated first)."""
         done = [sid for sid, sent in self._sent.items() if sent.seq.is_finished]
         for sid in done:
             del self._sent[sid]
@@ -174,28 +188,43 @@ class TensorParallelDriver:
 
 
 class _Mirror:
-    """A worker's copies of the sequences rank 0 schedules."""
+    """A worker's copies of the sequences rank 0 schedules; ``allocator``: the worker's tiered
+    allocator, whose slots it keeps equal to rank 0's (None: dense)."""
 
-    def __init__(self):
+    def __init__(self, allocator=None):
         self.seqs: dict[int, Sequence] = {}
+        self.slot_of = getattr(allocator, "slot_of", None)
+        self.on_free = getattr(allocator, "on_free", None)
 
-    def batch(self, message: StepMessage) -> ScheduledBatch:
-        for sid in message.finished:
-            self.seqs.pop(sid, None)
-        seqs = []
+    def update(self, message: StepMessage) -> None:
+        """Bring the listed sequences up to rank 0's state."""
         for u in message.updates:
             seq = self.seqs.get(u.seq_id)
+            tokens = u.tokens
             if seq is None:
-                seq = self.seqs[u.seq_id] = Sequence(u.tokens[:u.prompt_len], u.params,
+                seq = self.seqs[u.seq_id] = Sequence(tokens[:u.prompt_len], u.params,
                                                      seq_id=u.seq_id)
-                u.tokens = u.tokens[u.prompt_len:]
-            for token in u.tokens:
+                tokens = tokens[u.prompt_len:]
+            for token in tokens:
                 seq.append_token(token)
             seq.num_computed_tokens = u.num_computed_tokens
             seq.block_table = (seq.block_table[:u.table_from] if u.table_from else []) + u.table
             seq.prompt_logprobs = [None] * u.num_prompt_logprobs
-            seqs.append(seq)
-        return ScheduledBatch(seqs, message.num_tokens, message.is_prefill)
+            if self.slot_of is not None and u.slot is not None:
+                self.slot_of[u.seq_id] = u.slot
+
+    def release(self, message: StepMessage) -> None:
+        """Forget the sequences that have finished (and their slots, as rank 0's allocator)."""
+        for sid in message.finished:
+            seq = self.seqs.pop(sid, None)
+            if self.slot_of is not None:
+                self.slot_of.pop(sid, None)
+                if seq is not None:
+                    self.on_free(seq)
+
+    def batch(self, message: StepMessage) -> ScheduledBatch:
+        return ScheduledBatch([self.seqs[sid] for sid in message.scheduled], message.num_tokens,
+                              message.is_prefill)
 
 
 def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, port: int,
@@ -210,7 +239,8 @@ def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, p
     tp = _join(rank, size, port, device)
     runner = ModelRunner(config, model_path, ModelConfig.from_file(model_path / "config.json"),
                          tp=tp)
-    mirror = _Mirror()
+    mirror = _Mirror(runner.backend.make_allocator() if config.kv_mode == "oasis" else None)
+    last: ScheduledBatch | None = None  # run, not yet finished
     while True:
         if not pipe.poll(POLL_SECONDS):
             if os.getppid() != parent_pid:
@@ -222,7 +252,10 @@ def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, p
             break
         if kind == "exit":
             break
-        batch = mirror.batch(message)
-        runner.run(batch, message.forced)
-        runner.finish(batch)
+        mirror.update(message)
+        if last is not None:  # now with its sampled tokens, as rank 0 finished it
+            runner.finish(last)
+        mirror.release(message)
+        last = mirror.batch(message)
+        runner.run(last, message.forced)
     dist.destroy_process_group()

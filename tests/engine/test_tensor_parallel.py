@@ -50,6 +50,42 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
         llm.close()
 
 
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_two_ranks_tiered_equal_one_rank_dense_when_k_covers_every_block(tmp_path, draft):
+    """Each rank keeps the host store, working sets and summaries of its kv heads; rank 0's
+    allocator picks host blocks and slots for both. A small host store (26 blocks: requests
+    queue) and chunked prefill on top."""
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    batch = prompts(6, seed=5)
+    want = _tokens(LLM(str(path), device="cpu", num_kv_blocks=256), batch)
+    llm = LLM(str(path), device="cpu", tensor_parallel_size=2, kv_mode="oasis", topk_blocks=64,
+              fetch_ratio=1.0, host_kv_gib=0.0004, max_num_seqs=4, max_num_batched_tokens=48,
+              draft=draft)
+    try:
+        assert _tokens(llm, batch) == want
+        assert llm.engine.allocator.num_total_blocks == 26
+        alloc = llm.engine.allocator
+        alloc.check_invariants([])
+        assert alloc.num_free_blocks == alloc.num_total_blocks
+    finally:
+        llm.close()
+
+
+def test_two_ranks_tiered_select_per_head_as_one_rank(tmp_path):
+    """With a small K the working sets matter: selection is per kv head, so splitting the heads
+    over two ranks selects the same blocks and decodes one rank's tokens."""
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    batch = prompts(6, seed=5)
+    kw = dict(device="cpu", kv_mode="oasis", topk_blocks=2, fetch_ratio=0.5, host_kv_gib=0.01,
+              draft="ngram")
+    want = _tokens(LLM(str(path), **kw), batch)
+    llm = LLM(str(path), tensor_parallel_size=2, **kw)
+    try:
+        assert _tokens(llm, batch) == want
+    finally:
+        llm.close()
+
+
 def test_fixture_target_two_ranks_equal_one(fixtures_path):
     target = str(fixtures_path / "target")
     batch = prompts(3, seed=4)
@@ -90,5 +126,10 @@ def test_shapes_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match="num_key_value_heads .3. does not divide by "
                                          "tensor_parallel_size 2"):
         cfg.shard(2)
-    with pytest.raises(ValueError, match="kv_mode=dense only"):
-        LLM("", tensor_parallel_size=2, kv_mode="oasis")
+    # a harness's own backend (e.g. an emulated host store) would exist on rank 0 only
+    from oasiskv.bench.harness import oasis_backend
+    from oasiskv.engine.llm_engine import LLMEngine
+    from oasiskv.kv.probes import TierProbes
+    with pytest.raises(ValueError, match="custom backend_factory"):
+        LLMEngine(backend_factory=oasis_backend(TierProbes()), kv_mode="oasis", device="cpu",
+                  tensor_parallel_size=2)
