@@ -38,6 +38,10 @@ from oasiskv.kv.tiered import DecodeRows, TieredKV
 logger = logging.getLogger(__name__)
 
 
+#: tokens of context the exact attention of one sample reads at a time
+CHUNK_TOKENS = 4096
+
+
 class Guardrail:
     """For ``kv``'s model (``num_q_heads`` query heads), sampling at ``rate``."""
 
@@ -148,23 +152,44 @@ class Guardrail:
         lay, B = self.kv.layout, self.kv.layout.block_size
         out = torch.empty((len(picked), 3), dtype=torch.float32, device=q.device)
         for i, ((_, layer, _, pos, _), blocks) in enumerate(zip(picked, tables)):
-            length = pos + 1
-            k, v = (x.float() for x in self.kv.host_kv(layer, blocks, length))  # [Hk, T, D]
-            heads = lay.num_kv_heads
-            qh = q[i].float().view(heads, -1, lay.head_dim)                    # [Hk, G, D]
-            probs = torch.softmax(qh @ k.transpose(1, 2) * self._scale, dim=-1)  # [Hk, G, T]
             nblocks = pos // B + 1
             ids = torch.arange(nblocks, device=q.device)
             held = (ids[None, :, None] == maps[i].long()[:, None, :]).any(-1)   # [Hk, blocks]
             held[:, -1] = True                                                  # the local block
-            held = held.repeat_interleave(B, dim=1)[:, :length]                 # [Hk, T]
-            mass = (probs * held[:, None, :]).sum(-1)                          # [Hk, G]
-            exact = probs @ v
-            sparse = (probs * held[:, None, :]) @ v / mass.clamp_min(1e-30)[..., None]
+            qh = q[i].float().view(lay.num_kv_heads, -1, lay.head_dim)         # [Hk, G, D]
+            exact, sparse, mass = self._attend(layer, qh, blocks, pos + 1, held)
             out[i, 0] = mass.mean()
             out[i, 1] = (sparse - exact).norm() / exact.norm().clamp_min(1e-30)
             out[i, 2] = self._topk_agreement(layer, q[i], blocks, pos // B, maps[i])
         return out
+
+    def _attend(self, layer: int, qh: torch.Tensor, blocks: torch.Tensor, length: int,
+                held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Exact attention of ``qh`` ``[Hk, G, D]`` over the first ``length`` tokens of host
+        ``blocks``, and over the ``held`` ``[Hk, blocks]`` ones only -> (exact ``[Hk, G, D]``,
+        held-only, the held share of the attention mass ``[Hk, G]``), float32, in chunks of
+        ``CHUNK_TOKENS`` with an online softmax: device memory stays bounded at any context."""
+        B = self.kv.layout.block_size
+        chunk = max(B, CHUNK_TOKENS // B * B)
+        m = torch.full(qh.shape[:2], float("-inf"), device=qh.device)
+        total, kept = torch.zeros_like(m), torch.zeros_like(m)
+        exact, sparse = torch.zeros_like(qh), torch.zeros_like(qh)
+        for start in range(0, length, chunk):
+            end = min(start + chunk, length)
+            k, v = (x.float() for x in self.kv.host_kv(layer, blocks[start // B:],
+                                                       end - start))          # [Hk, c, D]
+            s = qh @ k.transpose(1, 2) * self._scale                           # [Hk, G, c]
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new[..., None])
+            mine = held[:, start // B:].repeat_interleave(B, dim=1)[:, None, :end - start]
+            total = total * alpha + p.sum(-1)
+            kept = kept * alpha + (p * mine).sum(-1)
+            exact = exact * alpha[..., None] + p @ v
+            sparse = sparse * alpha[..., None] + (p * mine) @ v
+            m = m_new
+        return (exact / total[..., None], sparse / kept.clamp_min(1e-30)[..., None],
+                kept / total)
 
     def _topk_agreement(self, layer: int, q: torch.Tensor, table: torch.Tensor, complete: int,
                         held: torch.Tensor) -> torch.Tensor | float:

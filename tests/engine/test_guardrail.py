@@ -95,3 +95,23 @@ def test_guardrail_in_graph_replays(cuda_device, fixtures_path):
     samples, rows = run(llm, prompts(4, vocab=1000, lo=300, hi=400, seed=8))
     assert len(samples) >= rows - 4  # the last step's measurement is read at the next step
     assert all(abs(r - 1) < 1e-4 and e < 1e-3 for r, e in samples), samples[:3]
+
+
+def test_exact_attention_in_chunks_equals_one_pass(tiny, monkeypatch):
+    """The guardrail's exact attention runs over the context in chunks (online softmax, bounded
+    memory): chunks of 2 blocks give what one pass over the ~10-block contexts gives."""
+    from oasiskv.kv import guardrail
+
+    def measured():
+        llm = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=2, fetch_ratio=0.5,
+                  guardrail_rate=1.0)
+        agreement = []
+        samples, _ = run(llm, prompts(3, lo=150, hi=200, seed=6), agreement)
+        return samples, agreement
+
+    whole = measured()
+    monkeypatch.setattr(guardrail, "CHUNK_TOKENS", 32)
+    chunked = measured()
+    assert whole[1] == chunked[1] and len(whole[0]) == len(chunked[0]) > 0
+    for (r1, e1), (r2, e2) in zip(*(s for s, _ in (whole, chunked))):
+        assert abs(r1 - r2) < 1e-5 and abs(e1 - e2) < 1e-4 * max(1.0, e1)
