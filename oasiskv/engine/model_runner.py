@@ -163,6 +163,8 @@ class ModelRunner:
     def finish(self, batch: ScheduledBatch) -> StepStats:
         """After ``run`` and once its tokens are appended: the backend's end of the step (its
         deferred work, its counters)."""
+        if self.driver is not None:
+            self.driver.finish(batch)
         with self._device_scope():
             return self.backend.finish(batch)
 

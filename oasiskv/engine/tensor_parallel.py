@@ -3,18 +3,18 @@ process each, in lockstep (nano-vllm's shape).
 
 Every rank holds its part of the model (``layers/parallel.py``) and its own KV storage for its kv
 heads (dense pool, or tiered: host store, working sets, summaries and mapping tables of its heads),
-and runs the same ``ModelRunner.run`` / ``finish`` on the same batch, so their collectives
-(row-parallel sums, the embedding's sum, the logits' gather) pair up; the workers' sampled tokens
-are discarded. Before each step rank 0 sends every worker, over a pipe, what it needs: for each
-sequence of this step and of the last one, the tokens it has not seen yet (so the last step's
-sampled tokens too), its computed-token count, the new part of its block table (the whole table
-when the list was replaced), its working-set slot (tiered), its sampling parameters the first time;
-then which of them this step schedules, and the sequences that have finished. A worker ends the
-last step (``finish``: the tiered backend's drafter observes the sampled tokens there) once it has
-those tokens, before it runs the next. Scheduling and allocation stay on rank 0 (a worker's tiered
-allocator only mirrors the slots). Collectives run on gloo (CPU) or NCCL (CUDA) with a timeout; a
-worker that has exited makes the next step raise ``RuntimeError`` naming its rank (and every step
-after it), never a hang.
+and runs the same ``ModelRunner.run`` / ``finish`` on the same batch in the same order, so their
+collectives (row-parallel sums, the embedding's sum, the logits' gather, an EAGLE-3 drafter's
+embedding lookups in ``finish``) pair up; the workers' sampled tokens are discarded. Rank 0 sends
+every worker two messages per step over a pipe: before it runs a step, for each of the step's
+sequences the tokens the worker has not seen, its computed-token count, the new part of its block
+table (the whole table when the list was replaced), its working-set slot (tiered) and, the first
+time, its sampling parameters, plus the sequences that have finished; and before it finishes the
+step, the tokens the step sampled (the tiered backend's drafter observes them in ``finish``); a
+token replaced after that (``LLMEngine.replace_last_token``) comes with the next step. Scheduling
+and allocation stay on rank 0 (a worker's tiered allocator only mirrors the slots). Collectives
+run on gloo (CPU) or NCCL (CUDA) with a timeout; a worker that has exited makes the next step
+raise ``RuntimeError`` naming its rank (and every step after it), never a hang.
 """
 from __future__ import annotations
 
@@ -51,18 +51,25 @@ class SeqUpdate:
     table_from: int
     num_prompt_logprobs: int
     slot: int | None  # its working-set slot (tiered KV)
+    last_token: int  # its newest token (which rank 0 may have replaced since it was sent)
     prompt_len: int = 0  # the first update of a sequence: its prompt length and parameters
     params: SamplingParams | None = None
 
 
 @dataclass
 class StepMessage:
-    updates: list[SeqUpdate]  # the sequences of this step and of the last one
-    scheduled: list[int]  # this step's sequences, in batch order
+    updates: list[SeqUpdate]  # this step's sequences, in batch order
     num_tokens: list[int]
     is_prefill: bool
     forced: list[int | None] | None
     finished: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FinishMessage:
+    tokens: dict[int, list[int]]  # seq id -> the tokens the step appended
+    num_computed_tokens: dict[int, int]  # after the step
+    num_prompt_logprobs: dict[int, int]
 
 
 @dataclass
@@ -114,7 +121,6 @@ class TensorParallelDriver:
             self.procs.append(proc)
         self.device = _rank_device(config, 0)
         self._sent: dict[int, _Sent] = {}
-        self._last: list[Sequence] = []  # the last step's sequences
         self._broken: str | None = None
         try:
             self.tp = _join(0, size, port, self.device)
@@ -136,15 +142,26 @@ class TensorParallelDriver:
              slot_of: dict[int, int] | None = None) -> None:
         """Send the workers ``batch`` (with the teacher-forced tokens and, tiered, the working-set
         slots ``slot_of``) before rank 0 runs it."""
+        self._send("step", StepMessage([self._update(s, slot_of) for s in batch.seqs],
+                                       list(batch.num_tokens), batch.is_prefill, forced,
+                                       self._finished()))
+
+    def finish(self, batch: ScheduledBatch) -> None:
+        """Send the workers the tokens ``batch`` appended, before rank 0 finishes it."""
+        tokens, computed, logprobs = {}, {}, {}
+        for seq in batch.seqs:
+            sent = self._sent[seq.seq_id]
+            tokens[seq.seq_id] = seq.token_ids[sent.tokens:]
+            computed[seq.seq_id] = seq.num_computed_tokens
+            logprobs[seq.seq_id] = len(seq.prompt_logprobs)
+            sent.tokens = len(seq.token_ids)
+        self._send("finish", FinishMessage(tokens, computed, logprobs))
+
+    def _send(self, kind: str, message) -> None:
         self.check()
-        seqs = {s.seq_id: s for s in self._last} | {s.seq_id: s for s in batch.seqs}
-        message = StepMessage([self._update(s, slot_of) for s in seqs.values()],
-                              [s.seq_id for s in batch.seqs], list(batch.num_tokens),
-                              batch.is_prefill, forced, self._finished())
-        self._last = list(batch.seqs)
         try:
             for pipe in self.pipes:
-                pipe.send(("step", message))
+                pipe.send((kind, message))
         except (BrokenPipeError, EOFError, OSError):
             self.check()
             raise
@@ -160,14 +177,14 @@ class TensorParallelDriver:
         update = SeqUpdate(seq.seq_id, seq.token_ids[sent.tokens:], seq.num_computed_tokens,
                            seq.block_table[table_from:], table_from, len(seq.prompt_logprobs),
                            None if slot_of is None else slot_of.get(seq.seq_id),
-                           seq.num_prompt_tokens if first else 0, seq.params if first else None)
+                           seq.token_ids[-1], seq.num_prompt_tokens if first else 0,
+                           seq.params if first else None)
         sent.tokens, sent.table, sent.table_len = (len(seq.token_ids), seq.block_table,
                                                    len(seq.block_table))
         return update
 
     def _finished(self) -> list[int]:
-        """Sequences that finished since the last step (after this message has sent their last
-        tokens: the last step's sequences are updated first)."""
+        """Sequences that finished since the last step."""
         done = [sid for sid, sent in self._sent.items() if sent.seq.is_finished]
         for sid in done:
             del self._sent[sid]
@@ -197,7 +214,7 @@ class _Mirror:
         self.on_free = getattr(allocator, "on_free", None)
 
     def update(self, message: StepMessage) -> None:
-        """Bring the listed sequences up to rank 0's state."""
+        """Bring the step's sequences up to rank 0's state."""
         for u in message.updates:
             seq = self.seqs.get(u.seq_id)
             tokens = u.tokens
@@ -207,6 +224,10 @@ class _Mirror:
                 tokens = tokens[u.prompt_len:]
             for token in tokens:
                 seq.append_token(token)
+            if seq.token_ids[-1] != u.last_token:  # replaced on rank 0
+                seq.token_ids[-1] = u.last_token
+                if seq.output_token_ids:
+                    seq.output_token_ids[-1] = u.last_token
             seq.num_computed_tokens = u.num_computed_tokens
             seq.block_table = (seq.block_table[:u.table_from] if u.table_from else []) + u.table
             seq.prompt_logprobs = [None] * u.num_prompt_logprobs
@@ -222,8 +243,17 @@ class _Mirror:
                 if seq is not None:
                     self.on_free(seq)
 
+    def sampled(self, message: FinishMessage) -> None:
+        """The step's sequences as rank 0 finishes it: computed, with what it sampled."""
+        for sid, tokens in message.tokens.items():
+            seq = self.seqs[sid]
+            for token in tokens:
+                seq.append_token(token)
+            seq.num_computed_tokens = message.num_computed_tokens[sid]
+            seq.prompt_logprobs = [None] * message.num_prompt_logprobs[sid]
+
     def batch(self, message: StepMessage) -> ScheduledBatch:
-        return ScheduledBatch([self.seqs[sid] for sid in message.scheduled], message.num_tokens,
+        return ScheduledBatch([self.seqs[u.seq_id] for u in message.updates], message.num_tokens,
                               message.is_prefill)
 
 
@@ -240,7 +270,7 @@ def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, p
     runner = ModelRunner(config, model_path, ModelConfig.from_file(model_path / "config.json"),
                          tp=tp)
     mirror = _Mirror(runner.backend.make_allocator() if config.kv_mode == "oasis" else None)
-    last: ScheduledBatch | None = None  # run, not yet finished
+    last: ScheduledBatch | None = None  # the step run last
     while True:
         if not pipe.poll(POLL_SECONDS):
             if os.getppid() != parent_pid:
@@ -252,10 +282,12 @@ def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, p
             break
         if kind == "exit":
             break
-        mirror.update(message)
-        if last is not None:  # now with its sampled tokens, as rank 0 finished it
+        if kind == "finish":  # with its sampled tokens, as rank 0 finishes it
+            mirror.sampled(message)
             runner.finish(last)
+            continue
         mirror.release(message)
+        mirror.update(message)
         last = mirror.batch(message)
         runner.run(last, message.forced)
     dist.destroy_process_group()

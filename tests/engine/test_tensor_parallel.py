@@ -86,6 +86,48 @@ def test_two_ranks_tiered_select_per_head_as_one_rank(tmp_path):
         llm.close()
 
 
+def test_fixture_two_ranks_with_an_eagle3_drafter_equal_one_rank_dense(fixtures_path):
+    """EAGLE-3 lookahead: the head reads the target's (vocabulary-split) embedding when it drafts
+    in ``finish``, so the ranks finish each step together, after the sampled tokens reached
+    them."""
+    target = str(fixtures_path / "target")
+    batch = prompts(3, seed=8)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32")
+    want = _tokens(LLM(target, num_kv_blocks=512, **kw), batch, params)
+    llm = LLM(target, tensor_parallel_size=2, kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0,
+              host_kv_gib=0.01, draft=f"eagle3:{fixtures_path / 'eagle3'}", **kw)
+    try:
+        assert _tokens(llm, batch, params) == want
+        assert llm.engine.stats.kv_totals["draft_hits"] > 0
+    finally:
+        llm.close()
+
+
+def test_a_replaced_token_reaches_every_rank(tmp_path):
+    """``replace_last_token`` after a step: the next step feeds the new token on every rank."""
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+
+    def run(llm):
+        engine = llm.engine
+        rid = engine.add_request(prompts(1, seed=9)[0], GREEDY)
+        while not any(o.new_token_ids for o in engine.step()):
+            pass
+        engine.replace_last_token(rid, 7)
+        out = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                out = o
+        return out.token_ids
+
+    want = run(LLM(str(path), device="cpu", num_kv_blocks=256))
+    llm = LLM(str(path), device="cpu", num_kv_blocks=256, tensor_parallel_size=2)
+    try:
+        assert want[0] == 7 and run(llm) == want
+    finally:
+        llm.close()
+
+
 def test_fixture_target_two_ranks_equal_one(fixtures_path):
     target = str(fixtures_path / "target")
     batch = prompts(3, seed=4)
