@@ -78,6 +78,7 @@ class SparseBackend(AttentionBackend):
         self._eager: TierStep | None = None  # this step's meta (its aux features), eager steps
         self._replayed: TierStep | None = None  # the static meta of the graph this step replayed
         self._decode_rows = 0
+        self._tap_bytes = 0  # the guardrail's tap buffers (HBM)
 
     # ---- storage ---------------------------------------------------------------------------------
     def allocate(self, budget_bytes: int | None) -> None:
@@ -88,7 +89,7 @@ class SparseBackend(AttentionBackend):
         drafter_per_seq = drafter.bytes_per_seq(max_len) if drafter else 0
         drafter_fixed = drafter.fixed_bytes() if drafter else 0
         summary_bytes = host.num_blocks * lay.summary_bytes_per_block
-        taps = self.guardrail.allocate(self.config.max_num_seqs)
+        taps = self._tap_bytes = self.guardrail.allocate(self.config.max_num_seqs)
         per_seq = lay.working_set_bytes + drafter_per_seq
         fixed = summary_bytes + drafter_fixed + taps
         budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes
@@ -215,7 +216,7 @@ class SparseBackend(AttentionBackend):
             "host_bytes_in_use": (alloc.num_total_blocks - alloc.num_free_blocks)
             * lay.host_block_bytes,
             "hbm_bytes_in_use": used_slots * lay.working_set_bytes
-            + self.kv.host.num_blocks * lay.summary_bytes_per_block}
+            + self.kv.host.num_blocks * lay.summary_bytes_per_block + self._tap_bytes}
         return StepStats(counters, gauges, {"fetched_blocks": per_layer["fetched_blocks"]}, samples)
 
     def _last_aux(self) -> dict[int, torch.Tensor]:

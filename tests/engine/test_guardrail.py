@@ -115,3 +115,16 @@ def test_exact_attention_in_chunks_equals_one_pass(tiny, monkeypatch):
     assert whole[1] == chunked[1] and len(whole[0]) == len(chunked[0]) > 0
     for (r1, e1), (r2, e2) in zip(*(s for s, _ in (whole, chunked))):
         assert abs(r1 - r2) < 1e-5 and abs(e1 - e2) < 1e-4 * max(1.0, e1)
+
+
+def test_hbm_gauge_counts_the_guardrail_taps(tiny):
+    """``hbm_bytes_in_use`` includes the guardrail's per-layer query and map taps."""
+    def gauge(rate):
+        llm = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=2, max_num_seqs=4,
+                  guardrail_rate=rate)
+        run(llm, prompts(1, lo=40, hi=41, seed=3))
+        return llm.engine.stats.kv["hbm_bytes_in_use"]
+
+    layers, rows, heads, kv_heads, dim, k = 2, 4, 4, 2, 32, 2  # tiny qwen3, max_num_seqs 4
+    taps = layers * rows * (heads * dim * 4 + kv_heads * k * 4)  # float32 queries, int32 maps
+    assert gauge(0.5) - gauge(0.0) == taps

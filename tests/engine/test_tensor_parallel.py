@@ -50,12 +50,13 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
         llm.close()
 
 
-@pytest.mark.parametrize("draft", ["none", "ngram"])
-def test_two_ranks_tiered_equal_one_rank_dense_when_k_covers_every_block(tmp_path, draft):
+@pytest.mark.parametrize("arch,draft", [("qwen3", "none"), ("qwen3", "ngram"),
+                                        ("qwen3-moe", "ngram")])
+def test_two_ranks_tiered_equal_one_rank_dense_when_k_covers_every_block(tmp_path, arch, draft):
     """Each rank keeps the host store, working sets and summaries of its kv heads; rank 0's
     allocator picks host blocks and slots for both. A small host store (26 blocks: requests
     queue) and chunked prefill on top."""
-    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    path = write_tiny_checkpoint(tmp_path / "m", arch)
     batch = prompts(6, seed=5)
     want = _tokens(LLM(str(path), device="cpu", num_kv_blocks=256), batch)
     llm = LLM(str(path), device="cpu", tensor_parallel_size=2, kv_mode="oasis", topk_blocks=64,
