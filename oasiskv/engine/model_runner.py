@@ -154,19 +154,30 @@ class ModelRunner:
         """One step: forward, then the next token of every sequence whose tokens are all computed:
         sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score
         it)."""
-        if self.driver is not None:
-            self.driver.step(batch, forced,
-                             getattr(getattr(self.backend, "allocator", None), "slot_of", None))
-        return self._sample(batch, self.forward(batch), forced)
+        if self.driver is None:
+            return self._sample(batch, self.forward(batch), forced)
+        self.driver.step(batch, forced,
+                         getattr(getattr(self.backend, "allocator", None), "slot_of", None))
+        try:
+            return self._sample(batch, self.forward(batch), forced)
+        except Exception as exc:  # the other ranks may wait in a collective of this step forever
+            self.driver.abort(f"rank 0's step failed ({type(exc).__name__}: {exc})")
+            raise
 
     @torch.inference_mode()
     def finish(self, batch: ScheduledBatch) -> StepStats:
         """After ``run`` and once its tokens are appended: the backend's end of the step (its
         deferred work, its counters)."""
-        if self.driver is not None:
-            self.driver.finish(batch)
-        with self._device_scope():
-            return self.backend.finish(batch)
+        if self.driver is None:
+            with self._device_scope():
+                return self.backend.finish(batch)
+        self.driver.finish(batch)
+        try:
+            with self._device_scope():
+                return self.backend.finish(batch)
+        except Exception as exc:
+            self.driver.abort(f"rank 0's step failed ({type(exc).__name__}: {exc})")
+            raise
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -128,6 +128,15 @@ class TensorParallelDriver:
             self.close()
             raise
 
+    def abort(self, reason: str) -> None:
+        """Rank 0 could not finish a step the workers started: the ranks are out of step for
+        good. Stop the workers; every later step raises RuntimeError with ``reason``."""
+        if self._broken is None:
+            self._broken = f"tensor-parallel engine stopped: {reason}"
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+
     def check(self) -> None:
         """Raise RuntimeError when a worker has exited (then on every later call)."""
         if self._broken is None:

@@ -160,6 +160,32 @@ def test_a_dead_rank_ends_steps_with_an_error_not_a_hang(tmp_path):
         llm.close()
 
 
+def test_a_failed_step_on_rank_0_stops_the_ranks_with_an_error(tmp_path):
+    """Rank 0 fails inside a step the worker has started: the ranks cannot get back in step, so
+    the worker is stopped and every later step fails at once with the reason (no hang, no
+    mismatched collectives)."""
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    llm = LLM(str(path), device="cpu", num_kv_blocks=256, tensor_parallel_size=2)
+    try:
+        model = llm.engine.runner.model
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("out of memory (injected)")
+
+        model.forward = boom
+        start = time.monotonic()
+        out = llm.generate(prompts(1), GREEDY)[0]
+        assert out.finish_reason == "error" and "injected" in out.error
+        del model.forward  # rank 0 could run again, but the worker is gone
+        out = llm.generate(prompts(1), GREEDY)[0]
+        assert out.finish_reason == "error" and "tensor-parallel engine stopped" in out.error
+        assert time.monotonic() - start < 60
+        llm.engine.driver.procs[0].join(10)
+        assert not llm.engine.driver.procs[0].is_alive()
+    finally:
+        llm.close()
+
+
 def test_shapes_that_do_not_divide_are_refused():
     cfg = ModelConfig.from_hf_dict(dict(architectures=["Qwen3ForCausalLM"], hidden_size=64,
                                         intermediate_size=96, num_hidden_layers=1,
