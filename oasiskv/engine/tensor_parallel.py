@@ -19,7 +19,6 @@ raise ``RuntimeError`` naming its rank (and every step after it), never a hang.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import socket
 from dataclasses import dataclass, field, replace
@@ -34,8 +33,6 @@ from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.parallel import TensorParallel
 from oasiskv.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 POLL_SECONDS = 1.0  # a worker checks this often whether rank 0 is still there
@@ -238,7 +235,10 @@ class _Mirror:
                 if seq.output_token_ids:
                     seq.output_token_ids[-1] = u.last_token
             seq.num_computed_tokens = u.num_computed_tokens
-            seq.block_table = (seq.block_table[:u.table_from] if u.table_from else []) + u.table
+            if u.table_from and u.table_from == len(seq.block_table):
+                seq.block_table.extend(u.table)  # in place: the runner's rows stay valid
+            else:
+                seq.block_table = seq.block_table[:u.table_from] + u.table
             seq.prompt_logprobs = [None] * u.num_prompt_logprobs
             if self.slot_of is not None and u.slot is not None:
                 self.slot_of[u.seq_id] = u.slot
