@@ -21,13 +21,16 @@ class NgramIndex:
     def guess(self, tokens: list[int]) -> int:
         """The token that followed the latest earlier match of the last n tokens of ``tokens``
         (which extends the list seen before)."""
-        # token p follows the n-grams ending at p - 1
-        for p in range(max(1, self.indexed), len(tokens)):
-            for n in range(1, min(self.max_n, p) + 1):
-                self.follower[tuple(tokens[p - n:p])] = tokens[p]
-        self.indexed = len(tokens)
-        for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
-            hit = self.follower.get(tuple(tokens[-n:]))
+        follower, max_n, size = self.follower, self.max_n, len(tokens)
+        # token p follows the n-grams ending at p - 1: the suffixes of the window before it
+        for p in range(max(1, self.indexed), size):
+            window = tuple(tokens[max(0, p - max_n):p])
+            for i in range(len(window)):
+                follower[window[i:]] = tokens[p]
+        self.indexed = size
+        tail = tuple(tokens[max(1, size - max_n):])  # the last n tokens, n < size
+        for i in range(len(tail)):  # longest first
+            hit = follower.get(tail[i:])
             if hit is not None:
                 return hit
         return tokens[-1]
