@@ -165,6 +165,8 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.abort(req.seq)
+        if self.driver is not None:
+            self.driver.forget(req.seq)
         self._update_queue_stats()
         return True
 

@@ -118,6 +118,7 @@ class TensorParallelDriver:
             self.procs.append(proc)
         self.device = _rank_device(config, 0)
         self._sent: dict[int, _Sent] = {}
+        self._aborted: list[int] = []
         self._broken: str | None = None
         try:
             self.tp = _join(0, size, port, self.device)
@@ -189,9 +190,15 @@ class TensorParallelDriver:
                                                    len(seq.block_table))
         return update
 
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` was aborted (it never finishes): the workers drop it with the next step."""
+        self._aborted.append(seq.seq_id)
+
     def _finished(self) -> list[int]:
-        """Sequences that finished since the last step."""
+        """Sequences that finished or were aborted since the last step."""
         done = [sid for sid, sent in self._sent.items() if sent.seq.is_finished]
+        done += [sid for sid in self._aborted if sid in self._sent and sid not in done]
+        self._aborted = []
         for sid in done:
             del self._sent[sid]
         return done
