@@ -2,7 +2,7 @@
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
-#        [compare] [fp8-bench] [moe-bench]
+#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -96,6 +96,17 @@ for stage in $stages; do
         [ "$mode" = oasis ] && flags+=(--kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram)
         BENCH_MODEL=qwen3-30b-a3b bench "moe-$mode" "${flags[@]}"
       done ;;
+    guardrail-cost)  # the guardrail's price: EMULATED host, 64 x 32K, ngram, async, R = 0 then 0.01
+      for rate in 0 0.01; do
+        bench "guardrail-$rate" --context-lens 32768 --concurrency 64 --output-lens 32 \
+          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
+          --guardrail-rate "$rate"
+      done ;;
+    metrics)  # a real tiered server's /metrics under load (real host store, guardrail on)
+      python3 scripts/metrics_check.py qwen3-8b --context 32768 --requests "${METRICS_REQUESTS:-8}" \
+        --max-tokens 32 -- --kv-mode oasis --host-kv-gib 48 --draft ngram --guardrail-rate 0.01 \
+        2>&1 | tee "$OUT/metrics.log" | tail -40
+      summary+=("metrics: $(tail -1 "$OUT/metrics.log")") ;;
     kernels)
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
       summary+=("kernels: $(tail -1 "$OUT/kernels.log" | cut -c1-300)") ;;

@@ -98,6 +98,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                         help="oasis: none = synchronous retrieval; previous, "
                         "ngram, model:PATH, eagle3:PATH = lookahead")
     parser.add_argument("--prefetch", default="async", help="oasis lookahead: async, inline or off")
+    parser.add_argument("--guardrail-rate", type=float, default=0.0,
+                        help="oasis: share of decode rows the online guardrail measures")
     parser.add_argument("--emulated-host-gib", type=float, default=0.0,
                         help="oasis, BENCHMARK ONLY: admit as if the host store held this many "
                              "GiB; requests share the physical host blocks (--host-kv-gib) so "
@@ -121,7 +123,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs, kv_mode=args.kv_mode,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
-        draft=args.draft, prefetch=args.prefetch)
+        draft=args.draft, prefetch=args.prefetch, guardrail_rate=args.guardrail_rate)
 
 
 def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0) -> LLMEngine:
@@ -228,7 +230,9 @@ def _label(engine: LLMEngine) -> str:
         mode = f"{t.draft.partition(':')[0]}-{t.prefetch}"
     else:  # synchronous retrieval selects in line whatever --prefetch says, unless it is off
         mode = "sync-off" if t.prefetch == "off" else "sync"
-    return f"oasis-K{t.topk_blocks}-{mode}{fp8}" + ("-EMULATED" if emulated_label(engine) else "")
+    guard = f"-guard{t.guardrail_rate:g}" if t.guardrail_rate else ""
+    return (f"oasis-K{t.topk_blocks}-{mode}{fp8}{guard}"
+            + ("-EMULATED" if emulated_label(engine) else ""))
 
 
 def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
