@@ -98,6 +98,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
                         "model:PATH,eagle3:PATH (empty: skip)")
     parser.add_argument("--draft-k", type=int, default=32, help="K of the lookahead runs")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks the model is split over (not with the oracle drafter)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--guardrail", action="store_true",
                         help="measure attention recall online (guardrail rate 1) in the capped "
@@ -208,6 +210,7 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
 
 def evaluate(args: argparse.Namespace) -> list[Run]:
     base = dict(model=args.model, device=args.device, dtype=args.dtype,
+                tensor_parallel_size=args.tensor_parallel_size,
                 max_model_len=args.window_len + 1, max_num_batched_tokens=args.window_len)
     dense = LLMEngine(**base)
     wins = windows(dense, args.text, args.windows, args.window_len)
