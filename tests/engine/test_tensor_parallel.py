@@ -129,6 +129,20 @@ def test_a_replaced_token_reaches_every_rank(tmp_path):
         llm.close()
 
 
+def test_two_ranks_through_preemption_equal_one(tmp_path):
+    """A KV pool too small for the batch: sequences are preempted and recomputed (new block
+    tables), on two ranks as on one."""
+    path = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+    batch = prompts(6, seed=1)
+    want = _tokens(LLM(str(path), device="cpu", num_kv_blocks=256), batch)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=14, max_num_seqs=8, tensor_parallel_size=2)
+    try:
+        assert _tokens(llm, batch) == want
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.close()
+
+
 def test_fixture_target_two_ranks_equal_one(fixtures_path):
     target = str(fixtures_path / "target")
     batch = prompts(3, seed=4)
