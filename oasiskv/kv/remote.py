@@ -11,7 +11,9 @@ process's CPU does no work per read. A unit is one block at one layer (all kv he
 layer); ``read`` turns any number of units into one NIXL transfer (K, V and scales descriptors
 side by side), so the misses of a layer across requests cost one transfer. Every transfer has a
 deadline: ``Transfer.wait`` raises ``TimeoutError`` past it (a stopped or slow peer) and
-``RemoteReadError`` when the transfer fails (a dead peer), and releases it either way.
+``RemoteReadError`` when the transfer fails (a dead peer), and releases it either way. A reader
+counts what it moves (``ReadStats``: transfers, bytes, units, failures and each completed
+transfer's latency) for /metrics.
 
 NIXL is an optional dependency (``pip install 'oasiskv[pd]'``, the ``nixl-cu13`` wheel): this
 module imports it only when a store or reader is built. ``UCX_MODULES=^ib`` is set unless already
@@ -22,7 +24,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +34,18 @@ from oasiskv.kv.host_store import HostStore
 
 class RemoteReadError(RuntimeError):
     """A remote read failed (its peer died or refused it)."""
+
+
+@dataclass
+class ReadStats:
+    """What a ``RemoteReader`` has moved: transfers started, bytes and units they read (all
+    regions: K, V and FP8 scales), transfers that failed or timed out, and the seconds each
+    completed transfer took from its start (read and cleared by whoever exports them)."""
+    transfers: int = 0
+    bytes: int = 0
+    units: int = 0
+    failed: int = 0
+    latencies: list[float] = field(default_factory=list)
 
 
 def _nixl():
@@ -85,26 +99,32 @@ class RemoteStore:
 class Transfer:
     """One NIXL transfer in flight (``RemoteReader.read``)."""
 
-    def __init__(self, agent, handle, peer: str, deadline: float):
+    def __init__(self, agent, handle, peer: str, deadline: float, stats: ReadStats):
         self._agent, self._handle, self.peer, self.deadline = agent, handle, peer, deadline
+        self._stats, self._start = stats, time.monotonic()
 
     def done(self) -> bool:
         """Whether it completed (raises ``RemoteReadError`` if it failed)."""
+        if self._handle is None:
+            return True
         state = self._agent.check_xfer_state(self._handle)
         if state == "ERR":
             self._release()
+            self._stats.failed += 1
             raise RemoteReadError(f"a read from {self.peer} failed")
         if state == "DONE":
             self._release()
+            self._stats.latencies.append(time.monotonic() - self._start)
             return True
         return False
 
     def wait(self) -> None:
         """Until it completes; ``TimeoutError`` past its deadline, ``RemoteReadError`` on
         failure."""
-        while self._handle is not None and not self.done():
+        while not self.done():
             if time.monotonic() > self.deadline:
                 self._release()
+                self._stats.failed += 1
                 raise TimeoutError(f"a read from {self.peer} did not complete in time")
             time.sleep(0)
 
@@ -124,6 +144,7 @@ class RemoteReader:
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         self._registered = self.agent.register_memory(_regions(local))
         self.peers: dict[str, _Peer] = {}
+        self.stats = ReadStats()
 
     def connect(self, descriptor: bytes) -> str:
         """Add a peer from its ``RemoteStore.descriptor()``; returns its name. Its layout must be
@@ -152,9 +173,10 @@ class RemoteReader:
         if int(src.max()) >= info.num_blocks or int(dst.max()) >= self.local.k.shape[0]:
             raise ValueError("block id past the end of a store")
         whole = layer is None
-        local, remote = [], []
+        local, remote, nbytes = [], [], 0
         for t, base in zip(_regions(self.local), info.addrs):
             unit = _unit_bytes(t, whole)
+            nbytes += unit * src.size
             block = _unit_bytes(t, True)
             offset = 0 if whole else layer * unit
             for blocks, start, out in ((src, base, remote), (dst, t.data_ptr(), local)):
@@ -171,9 +193,14 @@ class RemoteReader:
         except Exception as exc:  # NIXL's own errors (a disconnected peer, ...)
             if handle is not None:
                 self.agent.release_xfer_handle(handle)
+            self.stats.failed += 1
             raise RemoteReadError(f"a read from {peer} failed: {type(exc).__name__}: {exc}") \
                 from None
-        transfer = Transfer(self.agent, handle, peer, time.monotonic() + self.timeout_s)
+        self.stats.transfers += 1
+        self.stats.bytes += nbytes
+        self.stats.units += int(src.size)
+        transfer = Transfer(self.agent, handle, peer, time.monotonic() + self.timeout_s,
+                            self.stats)
         if state == "ERR":
             transfer.done()
         return transfer

@@ -92,6 +92,13 @@ def test_reads_give_exactly_the_remote_bytes(peer):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="past the end"):
         reader.read(name, [40], [0])
+    # what it counted, against sizes computed by hand: a layer of a block is heads x block x dim
+    # values of K and of V (+ one float32 scale per row of each with FP8)
+    row = HEADS * BLOCK * (DIM * (1 if fp8 else 2) + (4 if fp8 else 0))
+    s = reader.stats
+    assert (s.transfers, s.units, s.failed) == (2, 7, 0)
+    assert s.bytes == 2 * row * (5 + 2 * LAYERS) and len(s.latencies) == 2
+    assert all(0 <= t < 30 for t in s.latencies)
     reader.close()
 
 
@@ -106,6 +113,7 @@ def test_a_dead_peer_fails_a_read_instead_of_hanging(peer):
     proc.join(30)
     with pytest.raises(RemoteReadError, match="failed"):
         reader.read(name, [2], [1]).wait()
+    assert reader.stats.failed == 1
     reader.close()
 
 
