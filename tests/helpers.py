@@ -58,6 +58,16 @@ def write_tiny_checkpoint(path: Path, arch: str, old_rope_spelling: bool = False
     return path
 
 
+def random_request(rng: random.Random, pool_tokens: int, max_tokens: int):
+    """A ``Sequence`` of 1 to 40 random prompt tokens in [0, 4) (repeats share prefixes), small
+    enough to fit a pool of ``pool_tokens`` alone (the engine enforces that)."""
+    from oasiskv.engine.sequence import Sequence
+    from oasiskv.sampling_params import SamplingParams
+    limit = max(1, pool_tokens - 4)
+    prompt = [rng.randrange(4) for _ in range(rng.randrange(1, min(40, limit) + 1))]
+    return Sequence(prompt, SamplingParams(max_tokens=max_tokens))
+
+
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)

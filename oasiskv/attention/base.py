@@ -22,6 +22,11 @@ rows: slot -1, context length 0), and calls ``end_capture(bucket)`` after the ca
 replay ``prepare_replay(meta, num_seqs, bucket)`` copies the step's ``meta`` into that bucket's
 static one and may decline (False: the step runs eagerly). A captured step must leave no work on
 side streams; work it defers runs in ``finish``.
+
+Tensor parallelism (``engine/tensor_parallel.py``). Rank 0's scheduler and allocator decide for
+every rank; a worker rank's backend runs the same steps over sequences mirrored from rank 0. What
+it needs beyond the sequence itself, rank 0's ``sequence_state(seq)``, reaches it through
+``adopt_sequence(seq, state)``; ``drop_sequence(seq)`` when rank 0 finished or aborted ``seq``.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import torch
 from oasiskv.engine.forward_batch import ForwardBatch
 from oasiskv.engine.kv_allocator import KVAllocator
 from oasiskv.engine.scheduler import ScheduledBatch
+from oasiskv.engine.sequence import Sequence
 
 
 @dataclass
@@ -91,6 +97,18 @@ class AttentionBackend(ABC):
     def finish(self, batch: ScheduledBatch) -> StepStats:
         """The step ran and its sampled tokens are appended: run deferred work; the step's stats."""
         return StepStats()
+
+    # ---- tensor parallelism ----------------------------------------------------------------------
+    def sequence_state(self, seq: Sequence) -> Any:
+        """Rank 0: what another rank's backend needs to run ``seq`` as this one does, beyond the
+        sequence itself (default: nothing)."""
+        return None
+
+    def adopt_sequence(self, seq: Sequence, state: Any) -> None:
+        """A worker rank, before a step that runs ``seq``: rank 0's ``sequence_state(seq)``."""
+
+    def drop_sequence(self, seq: Sequence) -> None:
+        """A worker rank: rank 0 finished or aborted ``seq``; drop what is kept for it."""
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def init_graphs(self, buckets: list[int]) -> dict[int, Any]:

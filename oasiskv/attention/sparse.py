@@ -134,6 +134,18 @@ class SparseBackend(AttentionBackend):
         if self.lookahead is not None:
             self.lookahead.release(seq)
 
+    # ---- tensor parallelism: a worker's allocator keeps rank 0's working-set slots -------------
+    def sequence_state(self, seq: Sequence) -> int | None:
+        return self.allocator.slot_of.get(seq.seq_id)
+
+    def adopt_sequence(self, seq: Sequence, slot: int | None) -> None:
+        if slot is not None:
+            self.allocator.slot_of[seq.seq_id] = slot
+
+    def drop_sequence(self, seq: Sequence) -> None:
+        self.allocator.slot_of.pop(seq.seq_id, None)
+        self._release(seq)
+
     # ---- one step --------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepPlan:
         # the rows' working-set slots, then (lookahead) each row's draft row and the row it drafts

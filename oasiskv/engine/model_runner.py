@@ -156,8 +156,7 @@ class ModelRunner:
         it)."""
         if self.driver is None:
             return self._sample(batch, self.forward(batch), forced)
-        self.driver.step(batch, forced,
-                         getattr(getattr(self.backend, "allocator", None), "slot_of", None))
+        self.driver.step(batch, forced, self.backend.sequence_state)
         try:
             return self._sample(batch, self.forward(batch), forced)
         except Exception as exc:  # the other ranks may wait in a collective of this step forever

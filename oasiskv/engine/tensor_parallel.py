@@ -8,11 +8,12 @@ collectives (row-parallel sums, the embedding's sum, the logits' gather, an EAGL
 embedding lookups in ``finish``) pair up; the workers' sampled tokens are discarded. Rank 0 sends
 every worker two messages per step over a pipe: before it runs a step, for each of the step's
 sequences the tokens the worker has not seen, its computed-token count, the new part of its block
-table (the whole table when the list was replaced), its working-set slot (tiered) and, the first
+table (the whole table when the list was replaced), its backend's state (``AttentionBackend.
+sequence_state``: the tiered backend's working-set slot) and, the first
 time, its sampling parameters, plus the sequences that have finished; and before it finishes the
 step, the tokens the step sampled (the tiered backend's drafter observes them in ``finish``); a
 token replaced after that (``LLMEngine.replace_last_token``) comes with the next step. Scheduling
-and allocation stay on rank 0 (a worker's tiered allocator only mirrors the slots). Collectives
+and allocation stay on rank 0 (a worker's backend adopts the state rank 0's gives). Collectives
 run on gloo (CPU) or NCCL (CUDA) with a timeout; a worker that has exited makes the next step
 raise ``RuntimeError`` naming its rank (and every step after it), never a hang.
 """
@@ -23,6 +24,7 @@ import os
 import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,7 +49,7 @@ class SeqUpdate:
     table: list[int]  # block table entries from ``table_from`` on
     table_from: int
     num_prompt_logprobs: int
-    slot: int | None  # its working-set slot (tiered KV)
+    state: Any  # its attention backend's (``AttentionBackend.sequence_state``)
     last_token: int  # its newest token (which rank 0 may have replaced since it was sent)
     prompt_len: int = 0  # the first update of a sequence: its prompt length and parameters
     params: SamplingParams | None = None
@@ -146,10 +148,10 @@ class TensorParallelDriver:
             raise RuntimeError(self._broken)
 
     def step(self, batch: ScheduledBatch, forced: list[int | None] | None,
-             slot_of: dict[int, int] | None = None) -> None:
-        """Send the workers ``batch`` (with the teacher-forced tokens and, tiered, the working-set
-        slots ``slot_of``) before rank 0 runs it."""
-        self._send("step", StepMessage([self._update(s, slot_of) for s in batch.seqs],
+             sequence_state: Callable[[Sequence], Any]) -> None:
+        """Send the workers ``batch`` (with the teacher-forced tokens, and each sequence's
+        ``sequence_state``: rank 0's backend's) before rank 0 runs it."""
+        self._send("step", StepMessage([self._update(s, sequence_state) for s in batch.seqs],
                                        list(batch.num_tokens), batch.is_prefill, forced,
                                        self._finished()))
 
@@ -173,7 +175,7 @@ class TensorParallelDriver:
             self.check()
             raise
 
-    def _update(self, seq: Sequence, slot_of: dict[int, int] | None) -> SeqUpdate:
+    def _update(self, seq: Sequence, sequence_state: Callable[[Sequence], Any]) -> SeqUpdate:
         sent = self._sent.get(seq.seq_id)
         first = sent is None
         if first:
@@ -183,7 +185,7 @@ class TensorParallelDriver:
             table_from = 0  # a new list (preemption, prefix reuse): send it whole
         update = SeqUpdate(seq.seq_id, seq.token_ids[sent.tokens:], seq.num_computed_tokens,
                            seq.block_table[table_from:], table_from, len(seq.prompt_logprobs),
-                           None if slot_of is None else slot_of.get(seq.seq_id),
+                           sequence_state(seq),
                            seq.token_ids[-1], seq.num_prompt_tokens if first else 0,
                            seq.params if first else None)
         sent.tokens, sent.table, sent.table_len = (len(seq.token_ids), seq.block_table,
@@ -218,13 +220,12 @@ class TensorParallelDriver:
 
 
 class _Mirror:
-    """A worker's copies of the sequences rank 0 schedules; ``allocator``: the worker's tiered
-    allocator, whose slots it keeps equal to rank 0's (None: dense)."""
+    """A worker's copies of the sequences rank 0 schedules, and its ``backend`` told of them
+    (``adopt_sequence`` / ``drop_sequence``)."""
 
-    def __init__(self, allocator=None):
+    def __init__(self, backend):
         self.seqs: dict[int, Sequence] = {}
-        self.slot_of = getattr(allocator, "slot_of", None)
-        self.on_free = getattr(allocator, "on_free", None)
+        self.backend = backend
 
     def update(self, message: StepMessage) -> None:
         """Bring the step's sequences up to rank 0's state."""
@@ -247,17 +248,14 @@ class _Mirror:
             else:
                 seq.block_table = seq.block_table[:u.table_from] + u.table
             seq.prompt_logprobs = [None] * u.num_prompt_logprobs
-            if self.slot_of is not None and u.slot is not None:
-                self.slot_of[u.seq_id] = u.slot
+            self.backend.adopt_sequence(seq, u.state)
 
     def release(self, message: StepMessage) -> None:
-        """Forget the sequences that have finished (and their slots, as rank 0's allocator)."""
+        """Forget the sequences that have finished or were aborted."""
         for sid in message.finished:
             seq = self.seqs.pop(sid, None)
-            if self.slot_of is not None:
-                self.slot_of.pop(sid, None)
-                if seq is not None:
-                    self.on_free(seq)
+            if seq is not None:
+                self.backend.drop_sequence(seq)
 
     def sampled(self, message: FinishMessage) -> None:
         """The step's sequences as rank 0 finishes it: computed, with what it sampled."""
@@ -285,7 +283,8 @@ def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, p
     tp = _join(rank, size, port, device)
     runner = ModelRunner(config, model_path, ModelConfig.from_file(model_path / "config.json"),
                          tp=tp)
-    mirror = _Mirror(runner.backend.make_allocator() if config.kv_mode == "oasis" else None)
+    runner.backend.make_allocator()  # its lifecycle; the scheduling allocator is rank 0's
+    mirror = _Mirror(runner.backend)
     last: ScheduledBatch | None = None  # the step run last
     while True:
         if not pipe.poll(POLL_SECONDS):

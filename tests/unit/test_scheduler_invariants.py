@@ -11,6 +11,7 @@ from oasiskv.engine.scheduler import Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.sampling_params import SamplingParams
+from tests.helpers import random_request
 
 OPS = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort", "finish"]),
                          st.integers(0, 10_000)), min_size=1, max_size=120)
@@ -31,10 +32,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, block_size, budget, 
     for op, arg in ops:
         rng = random.Random(arg)
         if op == "add":
-            # keep every request small enough to fit the pool alone (the engine enforces this)
-            limit = max(1, num_blocks * block_size - 4)
-            prompt = [rng.randrange(4) for _ in range(rng.randrange(1, min(40, limit) + 1))]
-            seq = Sequence(prompt, SamplingParams(max_tokens=4))
+            seq = random_request(rng, num_blocks * block_size, 4)
             sched.add(seq)
             all_seqs.append(seq)
         elif op == "step":

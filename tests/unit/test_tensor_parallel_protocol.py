@@ -7,11 +7,12 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
+from oasiskv.attention.sparse import SparseBackend
 from oasiskv.engine.scheduler import Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.tensor_parallel import TensorParallelDriver, _Mirror
 from oasiskv.kv.allocator import TieredAllocator
-from oasiskv.sampling_params import SamplingParams
+from tests.helpers import random_request
 
 OPS = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "step", "abort",
                                           "finish", "replace"]),
@@ -27,6 +28,17 @@ class _Recorder(TensorParallelDriver):
 
     def _send(self, kind, message):
         self.inbox.append((kind, message))
+
+
+class _Backend:
+    """The tiered backend's tensor-parallel methods (``SparseBackend``'s own) over an allocator,
+    without storage: ``released`` collects the sequences it dropped."""
+    sequence_state = SparseBackend.sequence_state
+    adopt_sequence = SparseBackend.adopt_sequence
+    drop_sequence = SparseBackend.drop_sequence
+
+    def __init__(self, allocator: TieredAllocator, released: list):
+        self.allocator, self._release = allocator, released.append
 
 
 def _same(worker: Sequence, seq: Sequence, slot_of: dict, mirror_slots: dict) -> None:
@@ -45,24 +57,22 @@ def test_worker_mirror_follows_rank_0(ops, num_blocks, block_size, budget, share
     alloc = TieredAllocator(num_blocks, 4, block_size, enable_prefix_sharing=share)
     sched = Scheduler(alloc, max_num_seqs=6, max_num_batched_tokens=budget)
     driver = _Recorder()
+    rank0 = _Backend(alloc, [])
     worker_alloc = TieredAllocator(num_blocks, 4, block_size)
     released = []
-    worker_alloc.on_free = released.append
-    mirror = _Mirror(worker_alloc)
+    mirror = _Mirror(_Backend(worker_alloc, released))
     seqs: list[Sequence] = []
     for op, arg in ops:
         rng = random.Random(arg)
         if op == "add":
-            limit = max(1, num_blocks * block_size - 4)
-            prompt = [rng.randrange(4) for _ in range(rng.randrange(1, min(40, limit) + 1))]
-            seq = Sequence(prompt, SamplingParams(max_tokens=rng.randrange(1, 6)))
+            seq = random_request(rng, num_blocks * block_size, rng.randrange(1, 6))
             sched.add(seq)
             seqs.append(seq)
         elif op == "step":
             batch = sched.schedule()
             if batch is None:
                 continue
-            driver.step(batch, None, alloc.slot_of)
+            driver.step(batch, None, rank0.sequence_state)
             kind, message = driver.inbox.pop()
             mirror.release(message)
             mirror.update(message)
@@ -105,7 +115,7 @@ def test_worker_mirror_follows_rank_0(ops, num_blocks, block_size, budget, share
         sched.abort(seq)
         driver.forget(seq)
     driver.step(type("Empty", (), {"seqs": [], "num_tokens": [], "is_prefill": False})(), None,
-                alloc.slot_of)
+                rank0.sequence_state)
     mirror.release(driver.inbox.pop()[1])
     assert mirror.seqs == {} and worker_alloc.slot_of == {}
     assert {s.seq_id for s in released} <= {s.seq_id for s in seqs}
