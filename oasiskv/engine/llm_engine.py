@@ -95,11 +95,11 @@ class LLMEngine:
         self.model_config = ModelConfig.from_file(self.model_path / "config.json")
         self.tokenizer = _load_tokenizer(self.model_path)
         self.driver = None
-        if config.tensor_parallel_size > 1 and backend_factory is not make_backend:
-            raise ValueError("tensor_parallel_size > 1 builds every rank's attention backend "
-                             "itself: a custom backend_factory (e.g. the bench's emulated host "
-                             "store) runs on one rank only")
         if config.tensor_parallel_size > 1:
+            if backend_factory is not make_backend:
+                raise ValueError("tensor_parallel_size > 1 builds every rank's attention backend "
+                                 "itself: a custom backend_factory (e.g. the bench's emulated "
+                                 "host store) runs on one rank only")
             from oasiskv.engine.tensor_parallel import TensorParallelDriver
             self.driver = TensorParallelDriver(config, self.model_path)
         try:

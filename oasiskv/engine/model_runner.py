@@ -154,28 +154,29 @@ class ModelRunner:
         """One step: forward, then the next token of every sequence whose tokens are all computed:
         sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score
         it)."""
-        if self.driver is None:
+        if self.driver is not None:
+            self.driver.step(batch, forced, self.backend.sequence_state)
+        with self._ranks_in_step():
             return self._sample(batch, self.forward(batch), forced)
-        self.driver.step(batch, forced, self.backend.sequence_state)
-        try:
-            return self._sample(batch, self.forward(batch), forced)
-        except Exception as exc:  # the other ranks may wait in a collective of this step forever
-            self.driver.abort(f"rank 0's step failed ({type(exc).__name__}: {exc})")
-            raise
 
     @torch.inference_mode()
     def finish(self, batch: ScheduledBatch) -> StepStats:
         """After ``run`` and once its tokens are appended: the backend's end of the step (its
         deferred work, its counters)."""
-        if self.driver is None:
-            with self._device_scope():
-                return self.backend.finish(batch)
-        self.driver.finish(batch)
+        if self.driver is not None:
+            self.driver.finish(batch)
+        with self._ranks_in_step(), self._device_scope():
+            return self.backend.finish(batch)
+
+    @contextlib.contextmanager
+    def _ranks_in_step(self):
+        """Rank 0 of a tensor-parallel engine, in a step the other ranks run too: a failure here
+        leaves them waiting in its collectives for good, so the driver stops them."""
         try:
-            with self._device_scope():
-                return self.backend.finish(batch)
+            yield
         except Exception as exc:
-            self.driver.abort(f"rank 0's step failed ({type(exc).__name__}: {exc})")
+            if self.driver is not None:
+                self.driver.abort(f"rank 0's step failed ({type(exc).__name__}: {exc})")
             raise
 
     @torch.inference_mode()
