@@ -40,10 +40,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
+    from oasiskv.models.loader import preset_names
     port = _port()
     url = f"http://127.0.0.1:{port}"
+    load_format = "dummy" if args.model in preset_names() else "auto"  # presets: random weights
     cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve", args.model,
-           "--port", str(port), "--load-format", "dummy" if "/" not in args.model else "auto",
+           "--port", str(port), "--load-format", load_format,
            "--max-model-len", str(args.context + args.max_tokens + 1),
            "--max-num-seqs", str(args.requests), *extra]
     server = subprocess.Popen(cmd)
