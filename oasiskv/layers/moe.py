@@ -24,7 +24,7 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = column_linear(hidden, 2 * self.intermediate)
+        self.gate_up_proj = column_linear(hidden, 2 * self.intermediate, parts=2)
         self.down_proj = RowLinear(self.intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = split_param(
-            nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden)), "column")
+            nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden)), "column", parts=2)
         self.down_proj = split_param(
             nn.Parameter(torch.empty(num_experts, hidden, intermediate)), "row")
 

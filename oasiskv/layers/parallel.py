@@ -59,18 +59,21 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x
 
 
-def split_param(param: nn.Parameter, split: str) -> nn.Parameter:
-    """Mark ``param`` as holding this rank's "column" or "row" share (``shard_for_rank``)."""
-    param.tp_split = split
+def split_param(param: nn.Parameter, split: str, parts: int = 1) -> nn.Parameter:
+    """Mark ``param`` as holding this rank's "column" or "row" share (``shard_for_rank``);
+    ``parts``: equal parts fused along its output features (gate and up), each split on its own."""
+    param.tp_split, param.tp_parts = split, parts
     return param
 
 
-def column_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    """A linear keeping this rank's ``out_features`` (already divided) outputs."""
+def column_linear(in_features: int, out_features: int, bias: bool = False,
+                  parts: int = 1) -> nn.Linear:
+    """A linear keeping this rank's ``out_features`` (already divided) outputs (``parts`` equal
+    fused parts: ``split_param``)."""
     layer = nn.Linear(in_features, out_features, bias=bias)
-    split_param(layer.weight, "column")
+    split_param(layer.weight, "column", parts)
     if bias:
-        split_param(layer.bias, "column")
+        split_param(layer.bias, "column", parts)
     return layer
 
 
@@ -119,16 +122,16 @@ def gather_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TensorParallel
 
 
 def shard_for_rank(tensor: torch.Tensor, param: torch.Tensor, tp: TensorParallel,
-                   parts: int = 1) -> torch.Tensor:
-    """The slice of checkpoint ``tensor`` this rank loads into ``param`` (or into an expert of it /
-    a part of a fused parameter): column-split parameters keep their share of the output features
-    (the first dimension of a 1-D or 2-D tensor, the second of a 3-D expert tensor), row-split
-    ones of the last; ``parts`` > 1: the tensor holds that many fused parts along its output
-    dimension (experts' gate and up), each cut on its own."""
+                   whole: bool) -> torch.Tensor:
+    """The slice of checkpoint ``tensor`` this rank loads into ``param`` (``whole``) or into an
+    expert of it / a part of a fused parameter: column-split parameters keep their share of the
+    output features (the first dimension of a 1-D or 2-D tensor, the second of a 3-D expert tensor),
+    row-split ones of the last; a whole parameter of fused parts (``split_param``) is cut part by
+    part."""
     split = getattr(param, "tp_split", None)
     if tp.size == 1 or split is None:
         return tensor
     dim = -1 if split == "row" else max(0, tensor.dim() - 2)
-    pieces = tensor.chunk(parts, dim=dim)
+    pieces = tensor.chunk(param.tp_parts if whole else 1, dim=dim)
     return torch.cat([p.narrow(dim, tp.rank * p.shape[dim] // tp.size, p.shape[dim] // tp.size)
                       for p in pieces], dim=dim)

@@ -121,9 +121,8 @@ class CausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in "
                                  f"{self.cfg.architecture}")
-            # this rank's slice (experts' gate and up fused on disk: each half cut on its own)
-            fused_experts = name.endswith("experts.gate_up_proj") and expert is None
-            tensor = shard_for_rank(tensor, params[name], self.tp, 2 if fused_experts else 1)
+            # this rank's slice
+            tensor = shard_for_rank(tensor, params[name], self.tp, expert is None and rows is None)
             target = params[name].data
             if expert is not None:
                 target = target[expert]

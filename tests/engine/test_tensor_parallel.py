@@ -24,9 +24,11 @@ def _tokens(llm: LLM, batch, params=GREEDY) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3-moe", "qwen3-moe-fused"])
 def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
-    path = write_tiny_checkpoint(tmp_path / arch, arch)
+    """(qwen3-moe-fused: experts stored as 3-D tensors, each rank cuts gate and up on its own)"""
+    path = write_tiny_checkpoint(tmp_path / arch, arch.removesuffix("-fused"),
+                                 fused_experts=arch.endswith("-fused"))
     batch = prompts(5, seed=1)
     want = _tokens(LLM(str(path), device="cpu", num_kv_blocks=256), batch)
     llm = LLM(str(path), device="cpu", num_kv_blocks=256, tensor_parallel_size=2,
