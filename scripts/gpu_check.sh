@@ -91,20 +91,26 @@ for stage in $stages; do
           --kv-cache-dtype "$dt"
       done ;;
     moe-bench)  # Qwen3-30B-A3B shape: dense, then oasis (EMULATED host, ngram, async), 16K and 32K, max
-      for mode in dense oasis; do
-        flags=(--context-lens 16384,32768 --concurrency max --output-lens 32)
-        [ "$mode" = oasis ] && flags+=(--kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram)
+      # batch; MOE_MODES / MOE_LENS narrow it, MOE_MAX_SEQS (default 128) bounds the oasis batch
+      for mode in ${MOE_MODES:-dense oasis}; do
+        flags=(--context-lens "${MOE_LENS:-16384,32768}" --concurrency max --output-lens 32)
+        [ "$mode" = oasis ] && flags+=(--kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram
+                                       --max-num-seqs "${MOE_MAX_SEQS:-128}")
         BENCH_MODEL=qwen3-30b-a3b bench "moe-$mode" "${flags[@]}"
       done ;;
     guardrail-cost)  # the guardrail's price: EMULATED host, 64 x 32K, ngram, async, R = 0 then 0.01
-      for rate in 0 0.01; do
+      for rate in ${GUARD_RATES:-0 0.01}; do
         bench "guardrail-$rate" --context-lens 32768 --concurrency 64 --output-lens 32 \
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
           --guardrail-rate "$rate"
       done ;;
-    metrics)  # a real tiered server's /metrics under load (real host store, guardrail on)
+    metrics)  # a real tiered server's /metrics under load (real host store, guardrail on); a machine
+      # without the server packages installs them from wheels staged in .whl (`pip download -d .whl
+      # --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 fastapi uvicorn pydantic`)
+      python3 -c "import fastapi, uvicorn" 2>/dev/null \
+        || python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic 2>&1 | tail -2
       python3 scripts/metrics_check.py qwen3-8b --context 32768 --requests "${METRICS_REQUESTS:-8}" \
-        --max-tokens 32 -- --kv-mode oasis --host-kv-gib 48 --draft ngram --guardrail-rate 0.01 \
+        --max-tokens 32 -- --kv-mode oasis --host-kv-gib 48 --draft ngram --guardrail-rate 0.1 \
         2>&1 | tee "$OUT/metrics.log" | tail -40
       summary+=("metrics: $(tail -1 "$OUT/metrics.log")") ;;
     kernels)

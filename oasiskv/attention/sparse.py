@@ -208,6 +208,8 @@ class SparseBackend(AttentionBackend):
         samples = ({"stall_seconds": [counters["stall_seconds"]]}
                    if self.kv.config.measure_stall and not batch.is_prefill else {})
         samples |= self.guardrail.measure()
+        if self.guardrail.active:
+            counters["guardrail_dropped"] = self.guardrail.take_dropped()
         counters["deferred"] = counters["misses"] - counters["fetched_blocks"]
         counters["fetched_bytes"] = 2 * counters["fetched_blocks"] * lay.slice_bytes
         counters["decode_rows"], self._decode_rows = self._decode_rows, 0

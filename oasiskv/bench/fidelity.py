@@ -199,7 +199,7 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
         fill.add(engine.stats)
         if measured:
             record(engine.stats.kv_samples)
-    if measured:  # on CUDA a step reports the measurement before its own: the last one is pending
+    if measured:  # on CUDA the last steps' measurements may still run on the side stream
         record(guardrail.drain())
     progress.close()
     losses = [x for rid in forced for x in nll[rid]]

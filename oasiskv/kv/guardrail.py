@@ -17,29 +17,39 @@ host store:
   by summary score, per kv head) that the working set held: how well the set chosen for it (one
   step ahead, by a predicted query, under the fetch cap) matches the set the real query picks.
 
-On CUDA the measurement runs on a side stream and is read at the next step's ``measure`` (so a
-sample whose request ends, and whose host blocks a new prompt overwrites within that step, may read
-the new contents; rare, and it only touches the measurement). Cost: with R > 0, two small copies
-per layer per step (the taps); per sampled row, one layer's K and V of its context over PCIe (32K
-tokens, 8 kv heads, bf16: 134 MB) and a dense attention of one query. Results: ``StepStats.samples``
-``guardrail_recall``, ``guardrail_rel_error`` and ``guardrail_topk_agreement`` (histograms on
-/metrics), and ``last``: (request id, position, layer, recall, relative error) per sample of the
-latest measurement, for harnesses.
+On CUDA the measurement runs on a side stream and never blocks the host: its indices go up in one
+non-blocking copy, and a later step's ``measure`` reads the measurements that have finished by
+then (so a sample whose request ends, and whose host blocks a new prompt overwrites meanwhile, may
+read the new contents; rare, and it only touches the measurement). At most ``MAX_PENDING``
+measurements are in flight: a step's samples beyond that are dropped and counted
+(``take_dropped``), which bounds the side stream's share of the GPU and of PCIe (``every_layer``
+harnesses drop nothing). Cost: with R > 0,
+two small copies per layer per step (the taps); per sampled row, one layer's K and V of its
+context over PCIe (32K tokens, 8 kv heads, bf16: 134 MB) and a dense attention of one query.
+Results: ``StepStats.samples`` ``guardrail_recall``, ``guardrail_rel_error`` and
+``guardrail_topk_agreement`` (histograms on /metrics), and ``last``: (request id, position, layer,
+recall, relative error) per sample of the measurements read last, for harnesses.
 """
 from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 
 import torch
 
+from oasiskv.engine.forward_batch import to_device_many
 from oasiskv.kv.tiered import DecodeRows, TieredKV
 
 logger = logging.getLogger(__name__)
 
 
-#: tokens of context the exact attention of one sample reads at a time
-CHUNK_TOKENS = 4096
+#: bytes of float32 K the exact attention of one sample holds at a time (as many of V, and the
+#: gathered copies): 16K tokens of an 8-kv-head, 128-dim model. Fewer, larger chunks mean fewer
+#: launches on the host, which is the measurement's price on the step (about 1 ms per chunk).
+CHUNK_BYTES = 1 << 26
+#: measurements in flight on the side stream at most (CUDA); more samples are dropped
+MAX_PENDING = 4
 
 
 class Guardrail:
@@ -55,7 +65,8 @@ class Guardrail:
         self._maps: torch.Tensor | None = None  # [L, rows, Hk, K]
         self._scale = 1.0
         self._picked: list[tuple] = []  # (row, layer, request id, position, host blocks)
-        self._pending: tuple | None = None  # (event, results [n, 3], picked) on the side stream
+        self._pending: deque[tuple] = deque()  # (event, host results [n, 3], picked), oldest first
+        self._dropped = 0
         self._stream = (torch.cuda.Stream(kv.device) if kv.device.type == "cuda" and rate > 0
                         else None)
         self.last: list[tuple[str, int, int, float, float]] = []
@@ -98,49 +109,67 @@ class Guardrail:
         self._maps[layer, :n].copy_(self.kv.ws.map[layer][rows.slots, :, :K])
 
     def measure(self) -> dict[str, list[float]]:
-        """Measure this step's sampled rows (on the side stream on CUDA); returns the samples of
-        the measurement that finished (this one on CPU, the previous one on CUDA)."""
-        done = self._collect()
+        """Measure this step's sampled rows (on the side stream on CUDA, without waiting for it);
+        returns the samples of the measurements finished by now (on CPU, this one)."""
         picked, self._picked = self._picked, []
-        if not picked:
-            return done
-        try:  # an observation: its failure (e.g. out of memory) must not fail the step
-            dev = self.kv.device
-            rows = torch.tensor([p[0] for p in picked], device=dev)
-            layers = torch.tensor([p[1] for p in picked], device=dev)
-            q, maps = self._q[layers, rows].clone(), self._maps[layers, rows].clone()
-            # host -> device before the side stream: a blocking copy there would wait for it
-            tables = [torch.tensor(p[4], dtype=torch.int32, device=dev) for p in picked]
-            if self._stream is None:
-                self._pending = (None, self._exact(picked, q, maps, tables), picked)
-                return self._collect()
-            self._stream.wait_stream(torch.cuda.current_stream())
-            for t in (q, maps, *tables):
-                t.record_stream(self._stream)
-            with torch.cuda.stream(self._stream):
-                results = self._exact(picked, q, maps, tables)
-                event = torch.cuda.Event()
-                event.record()
-            self._pending = (event, results, picked)
-        except Exception:  # noqa: BLE001
-            logger.exception("the guardrail's measurement failed; its samples are dropped")
-            self._pending = None
-        return done
+        if picked and not self.every_layer and len(self._pending) >= MAX_PENDING:
+            self._dropped += len(picked)
+        elif picked:
+            try:  # an observation: its failure (e.g. out of memory) must not fail the step
+                self._launch(picked)
+            except Exception:  # noqa: BLE001
+                logger.exception("the guardrail's measurement failed; its samples are dropped")
+                self._dropped += len(picked)
+        return self._collect(wait=False)
 
     def drain(self) -> dict[str, list[float]]:
-        """The samples of the measurement still running (CUDA: the last step's; a step reports the
-        one before it), waiting for it; {} when none. ``last`` then names its positions."""
-        return self._collect()
+        """The samples of the measurements still running, waiting for them; {} when none.
+        ``last`` then names their positions."""
+        return self._collect(wait=True)
 
-    def _collect(self) -> dict[str, list[float]]:
-        if self._pending is None:
+    def take_dropped(self) -> int:
+        """Samples dropped since the last call (``MAX_PENDING`` measurements in flight, or a
+        measurement that failed)."""
+        dropped, self._dropped = self._dropped, 0
+        return dropped
+
+    def _launch(self, picked: list) -> None:
+        # every index in one non-blocking upload, ordered before the side stream's work
+        sizes = [len(p[4]) for p in picked]
+        flat = [block for p in picked for block in p[4]]
+        rows, layers, tables = to_device_many(
+            [([p[0] for p in picked], torch.long), ([p[1] for p in picked], torch.long),
+             (flat, torch.int32)], self.kv.device)
+        q, maps = self._q[layers, rows], self._maps[layers, rows]
+        tables = tables.split(sizes)
+        if self._stream is None:
+            self._pending.append((None, self._exact(picked, q, maps, tables), picked))
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())
+        for t in (q, maps, *tables):
+            t.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            results = self._exact(picked, q, maps, tables)
+            # read back on the side stream: a copy on the step's stream would wait for its work
+            host = torch.empty(results.shape, dtype=results.dtype, pin_memory=True)
+            host.copy_(results, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append((event, host, picked))
+
+    def _collect(self, wait: bool) -> dict[str, list[float]]:
+        """The samples of the finished measurements, oldest first (all of them when ``wait``)."""
+        values, picks = [], []
+        while self._pending and (wait or self._pending[0][0] is None
+                                 or self._pending[0][0].query()):
+            event, results, picked = self._pending.popleft()
+            if event is not None:
+                event.synchronize()
+            values += results.tolist()
+            picks += picked
+        if not picks:
             return {}
-        event, results, picked = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()
-        values = results.tolist()
-        self.last = [(p[2], p[3], p[1], r, e) for p, (r, e, _) in zip(picked, values)]
+        self.last = [(p[2], p[3], p[1], r, e) for p, (r, e, _) in zip(picks, values)]
         return {"guardrail_recall": [r for r, _, _ in values],
                 "guardrail_rel_error": [e for _, e, _ in values],
                 "guardrail_topk_agreement": [a for _, _, a in values if a >= 0]}
@@ -168,9 +197,10 @@ class Guardrail:
         """Exact attention of ``qh`` ``[Hk, G, D]`` over the first ``length`` tokens of host
         ``blocks``, and over the ``held`` ``[Hk, blocks]`` ones only -> (exact ``[Hk, G, D]``,
         held-only, the held share of the attention mass ``[Hk, G]``), float32, in chunks of
-        ``CHUNK_TOKENS`` with an online softmax: device memory stays bounded at any context."""
-        B = self.kv.layout.block_size
-        chunk = max(B, CHUNK_TOKENS // B * B)
+        ``CHUNK_BYTES`` with an online softmax: device memory stays bounded at any context."""
+        lay = self.kv.layout
+        B = lay.block_size
+        chunk = max(B, CHUNK_BYTES // (4 * lay.num_kv_heads * lay.head_dim) // B * B)
         m = torch.full(qh.shape[:2], float("-inf"), device=qh.device)
         total, kept = torch.zeros_like(m), torch.zeros_like(m)
         exact, sparse = torch.zeros_like(qh), torch.zeros_like(qh)

@@ -12,9 +12,11 @@ from tests.helpers import write_tiny_checkpoint
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def run(llm, batch, agreement=None):
+def run(llm, batch, agreement=None, dropped=0):
     """Every guardrail sample of the run: (recall, relative error), and the decode rows run; the
-    top-K agreement samples are appended to ``agreement`` when given."""
+    top-K agreement samples are appended to ``agreement`` when given. The measurements still in
+    flight at the end are waited for; the samples dropped must be ``dropped`` (a callable: a check
+    of their count)."""
     engine, samples, rows = llm.engine, [], 0
     for p in batch:
         engine.add_request(p, PARAMS)
@@ -26,6 +28,12 @@ def run(llm, batch, agreement=None):
                        s.kv_samples.get("guardrail_rel_error", []))
         if agreement is not None:
             agreement += s.kv_samples.get("guardrail_topk_agreement", [])
+    rest = llm.engine.runner.backend.guardrail.drain()
+    samples += zip(rest.get("guardrail_recall", []), rest.get("guardrail_rel_error", []))
+    if agreement is not None:
+        agreement += rest.get("guardrail_topk_agreement", [])
+    count = engine.stats.kv_totals.get("guardrail_dropped", 0)
+    assert dropped(count) if callable(dropped) else count == dropped, count
     return samples, rows
 
 
@@ -85,6 +93,17 @@ def test_rate_samples_that_share_of_rows_and_zero_taps_nothing(tiny):
         LLM(str(tiny), kv_mode="oasis", guardrail_rate=1.5)
 
 
+def test_samples_beyond_the_measurements_in_flight_are_dropped_and_counted(tiny, monkeypatch):
+    """With no room for a measurement in flight, every sampled row is dropped, counted on the
+    ``guardrail_dropped`` counter, and the step goes on."""
+    from oasiskv.kv import guardrail
+    monkeypatch.setattr(guardrail, "MAX_PENDING", 0)
+    llm = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01, topk_blocks=2, guardrail_rate=1.0)
+    rows = []
+    samples, n = run(llm, prompts(3, lo=100, hi=120, seed=3), dropped=lambda k: rows.append(k) or 1)
+    assert samples == [] and rows == [n] and n > 0
+
+
 @pytest.mark.gpu
 def test_guardrail_in_graph_replays(cuda_device, fixtures_path):
     """Fixture target, graphs on, lookahead async: K covering every block gives recall 1 (taps
@@ -92,8 +111,11 @@ def test_guardrail_in_graph_replays(cuda_device, fixtures_path):
     llm = LLM(str(fixtures_path / "target"), dtype="float32", kv_mode="oasis", topk_blocks=64,
               fetch_ratio=1.0, host_kv_gib=0.5, draft="ngram", guardrail_rate=1.0)
     assert llm.engine.runner.graphs is not None
-    samples, rows = run(llm, prompts(4, vocab=1000, lo=300, hi=400, seed=8))
-    assert len(samples) >= rows - 4  # the last step's measurement is read at the next step
+    drops = []
+    samples, rows = run(llm, prompts(4, vocab=1000, lo=300, hi=400, seed=8),
+                        dropped=lambda n: drops.append(n) or True)
+    # every row measured or (a side stream that lags MAX_PENDING steps) dropped and counted
+    assert len(samples) + drops[0] == rows and len(samples) >= rows // 2
     assert all(abs(r - 1) < 1e-4 and e < 1e-3 for r, e in samples), samples[:3]
 
 
@@ -110,7 +132,8 @@ def test_exact_attention_in_chunks_equals_one_pass(tiny, monkeypatch):
         return samples, agreement
 
     whole = measured()
-    monkeypatch.setattr(guardrail, "CHUNK_TOKENS", 32)
+    lay = LLM(str(tiny), kv_mode="oasis", host_kv_gib=0.01).engine.runner.backend.kv.layout
+    monkeypatch.setattr(guardrail, "CHUNK_BYTES", 32 * 4 * lay.num_kv_heads * lay.head_dim)
     chunked = measured()
     assert whole[1] == chunked[1] and len(whole[0]) == len(chunked[0]) > 0
     for (r1, e1), (r2, e2) in zip(*(s for s, _ in (whole, chunked))):
