@@ -60,9 +60,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise SystemExit(f"the server needs extra packages ({exc.name}): "
                          f"pip install 'oasiskv[server]'")
+    if args.role == "decode" and not args.prefill_url:
+        raise ValueError("--role decode needs at least one --prefill-url")
+    if args.prefill_url and args.role != "decode":
+        raise ValueError("--prefill-url is for --role decode")
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_waiting=args.max_waiting, served_model_name=args.served_model_name,
-                 max_request_bytes=args.max_request_bytes)
+                 max_request_bytes=args.max_request_bytes, role=args.role,
+                 prefill_urls=args.prefill_url, remote_timeout_s=args.remote_timeout,
+                 prefill_timeout_s=args.prefill_timeout)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -124,6 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 33554432, 32 MiB)")
     srv.add_argument("--served-model-name", default=None,
                      help="model name in the API (default: folder name)")
+    srv.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                     help="disaggregated serving (tiered KV, NIXL: pip install 'oasiskv[pd]'): "
+                          "'prefill' prefills prompts for decode workers and serves their KV; "
+                          "'decode' is the OpenAI front end that sends each prompt to a prefill "
+                          "worker and reads its KV; 'both' does all on one node (default: both)")
+    srv.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                     help="a prefill worker's base URL (--role decode; repeat for more: the one "
+                          "with the fewest prompts in flight takes the next)")
+    srv.add_argument("--pd-transfer", choices=("full",), default="full",
+                     help="what a decode worker reads at admission: 'full' = every complete "
+                          "prompt block it does not hold yet (default: full)")
+    srv.add_argument("--remote-timeout", type=float, default=10.0, metavar="S",
+                     help="deadline of a remote KV read and of an HTTP connection or control "
+                          "message to a prefill worker, seconds (default: 10)")
+    srv.add_argument("--prefill-timeout", type=float, default=300.0, metavar="S",
+                     help="deadline of a prefill worker's answer (it prefills the prompt first), "
+                          "seconds; past it the worker is marked down and the prompt goes to "
+                          "another (default: 300)")
     srv.set_defaults(func=cmd_serve)
 
     from oasiskv.bench.decode_sweep import add_bench_flags

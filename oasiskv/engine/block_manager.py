@@ -7,11 +7,15 @@ block that is cached (its hash registered) holds exactly the tokens that hash na
 Prefix sharing: a completed block is registered under the hash of all tokens up to its end. A new
 sequence whose prompt starts with registered blocks takes them (ref count + 1) instead of computing
 them. Freed blocks keep their hash until they are handed out again, so a later request can revive
-them.
+them. The chain hashes ints only, so every process computes the same chain for the same tokens.
+
+Holds: blocks can also be held outside any block table (``hold_cached`` / ``hold_new``, given back
+with ``release``), while their contents move between engines (``kv/exchange.py``); a held block
+counts one reference, so it is never handed out or evicted.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from oasiskv.engine.kv_allocator import KVAllocator
 from oasiskv.engine.sequence import Sequence
@@ -31,6 +35,7 @@ class BlockManager(KVAllocator):
         self.hash_to_block: dict[int, int] = {}
         self.block_hash: dict[int, int] = {}
         self._hashed: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks hashed, last hash)
+        self.held: Counter[int] = Counter()  # block -> holds outside block tables
 
     @property
     def num_total_blocks(self) -> int:
@@ -68,21 +73,78 @@ class BlockManager(KVAllocator):
         if (not self.enable_prefix_sharing or seq.block_table
                 or seq.params.prompt_logprobs is not None):
             return 0
-        tokens, bs, last = seq.token_ids, self.block_size, 0
-        num_full = (len(tokens) - 1) // bs
-        for i in range(num_full):
-            h = hash((last, tuple(tokens[i * bs:(i + 1) * bs])))
+        last = 0
+        for h in self.prompt_hashes(seq.token_ids):
             block = self.hash_to_block.get(h)
             if block is None:
                 break
-            if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
-            self.ref_counts[block] += 1
+            self._take(block)
             seq.block_table.append(block)
             last = h
-        seq.num_computed_tokens = len(seq.block_table) * bs
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
         self._hashed[seq.seq_id] = (len(seq.block_table), last)
         return seq.num_computed_tokens
+
+    def prompt_hashes(self, tokens: list[int]) -> list[int]:
+        """The hash chain of a prompt's shareable blocks: the complete ones before its last
+        token."""
+        bs, last, chain = self.block_size, 0, []
+        for i in range((len(tokens) - 1) // bs):
+            last = hash((last, tuple(tokens[i * bs:(i + 1) * bs])))
+            chain.append(last)
+        return chain
+
+    def hold_cached(self, hashes: list[int]) -> list[int]:
+        """Hold the registered blocks of the longest leading run of ``hashes``; returns them."""
+        blocks = []
+        for h in hashes:
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            self._take(block)
+            self.held[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def hold_new(self, n: int) -> list[int]:
+        """Hold ``n`` free blocks (the oldest freed, their hashes forgotten), for contents written
+        from outside; raises ``RuntimeError`` when fewer are free."""
+        if n > len(self.free_blocks):
+            raise RuntimeError(f"KV pool exhausted: need {n} blocks, {len(self.free_blocks)} free")
+        blocks = []
+        for _ in range(n):
+            block, _ = self.free_blocks.popitem(last=False)
+            self._forget_hash(block)
+            self.ref_counts[block] = 1
+            self.held[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block: int, h: int) -> None:
+        """Name a held block's (now complete) contents by chain hash ``h`` (kept if the hash or the
+        block is named already)."""
+        assert self.held[block] > 0, f"block {block} is not held"
+        if self.enable_prefix_sharing and h not in self.hash_to_block and (
+                block not in self.block_hash):
+            self.hash_to_block[h] = block
+            self.block_hash[block] = h
+
+    def release(self, blocks: list[int]) -> None:
+        """Give back one hold of each of ``blocks``; a block no one references is free again (the
+        most recently freed: the last to be handed out)."""
+        for block in blocks:
+            assert self.held[block] > 0, f"block {block} released but not held"
+            self.held[block] -= 1
+            if not self.held[block]:
+                del self.held[block]
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
 
     def on_computed(self, seq: Sequence) -> None:
         """Register blocks of ``seq`` that became complete."""
@@ -109,6 +171,8 @@ class BlockManager(KVAllocator):
     def check_invariants(self, live: list[Sequence]) -> None:
         """Assert ref counts match the live block tables and the free list (tests call this)."""
         counts = [0] * self._num_blocks
+        for block, holds in self.held.items():
+            counts[block] += holds
         for seq in live:
             assert len(set(seq.block_table)) == len(seq.block_table), "block twice in one table"
             for b in seq.block_table:

@@ -118,14 +118,19 @@ class Transfer:
             return True
         return False
 
+    def check_deadline(self) -> None:
+        """Raise ``TimeoutError`` (the transfer released and counted as failed) once past its
+        deadline; for callers that poll ``done`` themselves (e.g. from an event loop)."""
+        if self._handle is not None and time.monotonic() > self.deadline:
+            self._release()
+            self._stats.failed += 1
+            raise TimeoutError(f"a read from {self.peer} did not complete in time")
+
     def wait(self) -> None:
         """Until it completes; ``TimeoutError`` past its deadline, ``RemoteReadError`` on
         failure."""
         while not self.done():
-            if time.monotonic() > self.deadline:
-                self._release()
-                self._stats.failed += 1
-                raise TimeoutError(f"a read from {self.peer} did not complete in time")
+            self.check_deadline()
             time.sleep(0)
 
     def _release(self) -> None:

@@ -190,6 +190,12 @@ class TieredKV:
         return tuple(x.view(n, heads, B, D).transpose(0, 1).reshape(heads, -1, D)[:, :length]
                      for x in (k, v))
 
+    def summarise(self, host_blocks: torch.Tensor) -> None:
+        """Summaries at every layer of complete host blocks whose contents were written from
+        outside a forward (imported from another engine's host store)."""
+        for layer in range(self.layout.num_layers):
+            self._summarise(layer, host_blocks)
+
     def _summarise(self, layer: int, host_blocks: torch.Tensor) -> None:
         """Summaries of complete blocks (host ids) from the host store, every head."""
         if host_blocks.numel() == 0:

@@ -33,7 +33,8 @@ from oasiskv.server.completions import OpenAIServing
 from oasiskv.server.errors import APIError
 from oasiskv.server.logprobs import TokenTable
 from oasiskv.server.metrics import Metrics
-from oasiskv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from oasiskv.server.protocol import (ChatCompletionRequest, CompletionRequest, KVPrefillRequest,
+                                     KVReleaseRequest, ModelCard, ModelList)
 
 logger = logging.getLogger(__name__)
 
@@ -139,11 +140,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-               ) -> FastAPI:
+               max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               role: str = "both", prefill_urls: list[str] | None = None,
+               remote_timeout_s: float = 10.0, prefill_timeout_s: float = 300.0) -> FastAPI:
     """The app around ``engine``; its lifespan starts and stops the engine thread. From here on only
     that thread may use ``engine``. ``app.state.engine`` is the ``AsyncEngine``,
-    ``app.state.model_name`` the name clients must use."""
+    ``app.state.model_name`` the name clients must use. ``role`` ``prefill`` / ``decode``:
+    disaggregated serving (``server/disagg.py``; ``decode`` needs ``prefill_urls``)."""
     model_name = served_model_name or engine.model_path.name
     vocab_size = engine.model_config.vocab_size
     metrics = Metrics(lambda: bridge.stats)
@@ -152,11 +155,27 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer,
                             model_name, vocab_size)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
+    if role not in ("both", "prefill", "decode"):
+        raise ValueError(f"role must be both, prefill or decode, got {role!r}")
+    if role != "both":  # (transport packages only where they are used)
+        from oasiskv.server import disagg
+    if role == "decode":
+        service = disagg.DecodeRouter(bridge, list(prefill_urls or ()), metrics.registry, api_key,
+                                      remote_timeout_s, prefill_timeout_s)
+        serving.admit = service.admit
+    elif role == "prefill":
+        service = disagg.PrefillService(bridge, metrics.registry)
+    else:
+        service = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         bridge.start()
+        if service is not None:
+            service.start()
         yield
+        if service is not None:
+            await service.close()
         serving.close()
         await bridge.close()
 
@@ -208,6 +227,19 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
+    if role == "prefill":
+        @app.get("/v1/kv/descriptor")
+        async def kv_descriptor():
+            return service.descriptor()
+
+        @app.post("/v1/kv/prefill")
+        async def kv_prefill(body: KVPrefillRequest):
+            return await service.prefill(body.prompt_token_ids)
+
+        @app.post("/v1/kv/release")
+        async def kv_release(body: KVReleaseRequest):
+            return await service.release(body.lease)
+
     return app
 
 
@@ -240,11 +272,19 @@ class _Server(uvicorn.Server):
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_waiting: int = 1024,
           served_model_name: str | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, role: str = "both",
+          prefill_urls: list[str] | None = None, remote_timeout_s: float = 10.0,
+          prefill_timeout_s: float = 300.0) -> int:
     """Load the engine and serve until SIGINT/SIGTERM; returns the exit status (0 after a clean
     stop). ``api_key`` falls back to ``$OASISKV_API_KEY``; empty means no auth."""
     api_key = api_key or os.environ.get("OASISKV_API_KEY") or None
-    app = create_app(LLMEngine(config), served_model_name, api_key, max_waiting, max_request_bytes)
+    engine = LLMEngine(config)
+    try:
+        app = create_app(engine, served_model_name, api_key, max_waiting, max_request_bytes,
+                         role, prefill_urls, remote_timeout_s, prefill_timeout_s)
+    except BaseException:
+        engine.close()
+        raise
     server = _Server(uvicorn.Config(app, host=host, port=port, log_config=None,
                                     timeout_graceful_shutdown=10),
                      on_exit=app.state.engine.begin_shutdown)

@@ -4,10 +4,11 @@ LLMEngine.
 Threading contract: only the engine thread touches the ``LLMEngine`` (its tokenizer included:
 prompts arrive as token ids, tokenized by the handlers on their own thread with their own copy, see
 ``completions.py``; ``check_prompts`` may run on any thread). The event loop sends it commands (add,
-abort, stop) through a thread-safe queue; the thread applies all pending commands between two steps,
-and blocks on the queue when nothing is unfinished (no busy spin). Results come back to the loop
-with ``loop.call_soon_threadsafe``, one call per step, and are routed to the ``RequestHandle`` of
-the HTTP request they belong to. All handle and routing state lives on the loop thread.
+abort, call a function, stop) through a thread-safe queue; the thread applies all pending commands
+between two steps, and blocks on the queue when nothing is unfinished (no busy spin). Results come
+back to the loop with ``loop.call_soon_threadsafe``, one call per step, and are routed to the
+``RequestHandle`` of the HTTP request they belong to. All handle and routing state lives on the
+loop thread.
 
 Failure contract: bad input is refused with ``APIError(400)`` before anything is queued. An
 exception escaping ``LLMEngine.step`` fails every unfinished request with ``APIError(500)`` and the
@@ -52,6 +53,17 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], object]
+    reply: asyncio.Future
+
+
+@dataclass
+class _Raised:
+    exc: Exception
 
 
 _STOP = object()
@@ -185,6 +197,15 @@ class AsyncEngine:
             raise
         return handle
 
+    async def call(self, fn: Callable[[], object]):
+        """Run ``fn()`` on the engine thread between two steps and return its result (or raise
+        its exception): the way to touch engine state (e.g. its KV allocator) from the loop."""
+        if not self.healthy:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        reply = self._loop.create_future()
+        self._commands.put(_Call(fn, reply))
+        return await reply
+
     def _abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
         if live:
@@ -227,7 +248,9 @@ class AsyncEngine:
 
     def _resolve(self, future: asyncio.Future, result) -> None:
         if not future.done():  # cancelled when the client left first
-            (future.set_exception if isinstance(result, APIError) else future.set_result)(result)
+            failed = isinstance(result, (APIError, _Raised))
+            (future.set_exception if failed else future.set_result)(
+                result.exc if isinstance(result, _Raised) else result)
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _post(self, fn, *args) -> None:
@@ -248,7 +271,7 @@ class AsyncEngine:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd, _Add):
+                if isinstance(cmd, (_Add, _Call)):
                     self._post(self._resolve, cmd.reply,
                                APIError(503, "the server is shutting down"))
 
@@ -277,7 +300,14 @@ class AsyncEngine:
         self.stats = dataclasses.replace(self.engine.stats)
         return True
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Call):
+            try:
+                result = cmd.fn()
+            except Exception as exc:  # the caller's to handle
+                result = _Raised(exc)
+            self._post(self._resolve, cmd.reply, result)
+            return
         if isinstance(cmd, _Abort):
             for rid in cmd.request_ids:
                 if rid in self._live:

@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -119,6 +119,8 @@ class OpenAIServing:
         # the tokenizer thread's own copy (fast tokenizers must not be shared between threads)
         self._encoder = copy.deepcopy(tokenizer)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="oasiskv-tokenize")
+        #: disaggregated decode: brings in the prompts' KV before the engine takes them
+        self.admit: Callable[[list[list[int]]], Awaitable[None]] | None = None
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -126,7 +128,8 @@ class OpenAIServing:
     async def _prompt_ids(self, prompts: list[str | list[int]],
                           max_tokens: int | None) -> list[list[int]]:
         """Token ids of ``prompts``, checked for the engine (``AsyncEngine.check_prompts``), from
-        the tokenizer thread."""
+        the tokenizer thread; with ``admit`` (disaggregated decode) their prefix KV is in the host
+        store when this returns."""
         def encode() -> list[list[int]]:
             if self._encoder is None and any(isinstance(p, str) for p in prompts):
                 raise APIError(400, "this model has no tokenizer: send prompts as token ids",
@@ -135,7 +138,10 @@ class OpenAIServing:
                    else p for p in prompts]
             self.engine.check_prompts(ids, max_tokens)
             return ids
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, encode)
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, encode)
+        if self.admit is not None:
+            await self.admit(ids)
+        return ids
 
     # ---- shared checks -------------------------------------------------------------------------
     def _check(self, req: SamplingRequest) -> int:

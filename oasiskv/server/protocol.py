@@ -118,6 +118,16 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # ---- responses ---------------------------------------------------------------------------------
+class KVPrefillRequest(_Request):
+    """Disaggregated serving, to a prefill worker: prefill these tokens and hold their KV."""
+    prompt_token_ids: list[int] = Field(min_length=1)
+
+
+class KVReleaseRequest(_Request):
+    """Disaggregated serving, to a prefill worker: let go of a lease's blocks."""
+    lease: str = Field(max_length=64)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

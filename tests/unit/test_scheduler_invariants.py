@@ -82,3 +82,67 @@ def test_everything_finishes_when_driven_to_completion():
                     sched.finish(seq, "length")
     assert all(s.is_finished for s in seqs)
     assert bm.num_free_blocks == 10
+
+
+HOLD_OPS = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "finish", "export",
+                                               "import", "release"]),
+                              st.integers(0, 10_000)), min_size=1, max_size=120)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=HOLD_OPS, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4]))
+def test_holds_of_moving_prompt_kv_keep_invariants(ops, num_blocks, block_size):
+    """Blocks held outside any table (exported for a reader, or imported: cached ones plus fresh
+    ones named after their bytes arrive) interleaved with scheduling: never handed out while held,
+    ref counts equal tables plus holds, nothing left held or owned at the end."""
+    bm = TieredAllocator(num_blocks, 4, block_size)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=32)
+    seqs: list[Sequence] = []
+    prompts: list[list[int]] = []
+    holds: list[list[int]] = []
+    for op, arg in ops:
+        rng = random.Random(arg)
+        if op == "add":
+            seq = random_request(rng, num_blocks * block_size, 4)
+            sched.add(seq)
+            seqs.append(seq)
+            prompts.append(list(seq.token_ids))
+        elif op == "step":
+            batch = sched.schedule()
+            if batch is not None:
+                sched.postprocess(batch)
+                for seq in batch.seqs:
+                    if seq.num_computed_tokens == len(seq):
+                        seq.append_token(rng.randrange(4))
+                        if len(seq.output_token_ids) >= seq.params.max_tokens:
+                            sched.finish(seq, "length")
+        elif op == "finish" and seqs:
+            seq = rng.choice(seqs)
+            if seq in sched.running:
+                sched.finish(seq, "stop")
+        elif op == "export" and prompts:
+            holds.append(bm.hold_cached(bm.prompt_hashes(rng.choice(prompts))))
+        elif op == "import":
+            tokens = (rng.choice(prompts) if prompts and rng.random() < 0.5
+                      else [rng.randrange(4) for _ in range(rng.randrange(1, 4 * block_size))])
+            hashes = bm.prompt_hashes(tokens)
+            cached = bm.hold_cached(hashes)
+            try:
+                fresh = bm.hold_new(len(hashes) - len(cached))
+            except RuntimeError:
+                bm.release(cached)
+                continue
+            for block, h in zip(fresh, hashes[len(cached):]):
+                bm.register(block, h)
+            holds.append(cached + fresh)
+        elif op == "release" and holds:
+            bm.release(holds.pop(rng.randrange(len(holds))))
+        for held in holds:
+            assert all(bm.ref_counts[b] > 0 and b not in bm.free_blocks for b in held)
+        bm.check_invariants(live(sched))
+    for held in holds:
+        bm.release(held)
+    for seq in list(sched.running) + list(sched.waiting):
+        sched.abort(seq)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == num_blocks and not bm.held

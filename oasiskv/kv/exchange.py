@@ -1,0 +1,84 @@
+"""KV exchange: the bookkeeping that moves a prompt's complete blocks between two engines' host
+stores (disaggregated prefill), on each engine's own thread. The bytes move elsewhere (NIXL,
+``kv/remote.py``); this module only decides which host blocks they come from and land in.
+
+A prompt's complete blocks before its last token are named by their block-hash chain
+(``BlockManager.prompt_hashes``), which every process computes alike from the token ids. The
+exporting engine (a prefill worker) holds the blocks of a prompt it has just prefilled (``export``),
+so that nothing evicts them while a reader copies them, until ``release``. The importing engine (the
+decode worker) holds, per offered block, either the block its own host store already has under the
+same hash (a prefix it has seen: nothing to read) or a fresh block to read into (``begin_import``);
+once the bytes are in, ``finish_import`` writes the new blocks' summaries, names them by their
+hashes and lets go of every hold: the request added right after finds the whole prefix in the
+prefix cache and prefills only the rest (less than a block and the last token). If the blocks were
+evicted before it was admitted (only when the host store is short), it prefills them itself: a cost,
+never a wrong token. ``abort_import`` lets go without naming anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Import:
+    """One prompt's import: ``blocks[i]`` (held) receives offered block ``i``; only the blocks at
+    ``missing`` must be read."""
+    hashes: list[int]
+    blocks: list[int]
+    missing: list[int]
+
+
+class KVExchange:
+    """Exports and imports complete prompt blocks of a tiered engine's host store (``backend``: its
+    ``SparseBackend``, with a prefix-sharing allocator)."""
+
+    def __init__(self, backend):
+        allocator = getattr(backend, "allocator", None)
+        if allocator is None or not hasattr(backend, "kv"):
+            raise ValueError("moving prompt KV between engines needs the tiered KV path "
+                             "(--kv-mode oasis)")
+        if not allocator.enable_prefix_sharing:
+            raise ValueError("moving prompt KV between engines needs prefix sharing, which a "
+                             "drafter reading every prompt token's features (EAGLE-3) turns off")
+        self.allocator, self.kv = allocator, backend.kv
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one whole host block holds (K and V, every layer and kv head)."""
+        return self.kv.layout.host_block_bytes
+
+    def export(self, token_ids: list[int]) -> list[int]:
+        """Hold the host blocks of ``token_ids``' complete prefix that this store has (in chain
+        order, the longest leading run); ``release`` them when read."""
+        return self.allocator.hold_cached(self.allocator.prompt_hashes(token_ids))
+
+    def release(self, blocks: list[int]) -> None:
+        self.allocator.release(blocks)
+
+    def begin_import(self, token_ids: list[int], offered: int) -> Import:
+        """Hold a host block for each of the first ``offered`` complete blocks of ``token_ids``:
+        the cached one where this store has it, else a fresh one to read into. Raises
+        ``RuntimeError`` (nothing held) when the store has too few free blocks."""
+        hashes = self.allocator.prompt_hashes(token_ids)[:offered]
+        cached = self.allocator.hold_cached(hashes)
+        try:
+            fresh = self.allocator.hold_new(len(hashes) - len(cached))
+        except RuntimeError:
+            self.allocator.release(cached)
+            raise
+        return Import(hashes, cached + fresh, list(range(len(cached), len(hashes))))
+
+    def finish_import(self, imp: Import) -> None:
+        """The missing blocks' bytes are in: summarise them, name each by its hash, let go."""
+        if imp.missing:
+            fresh = [imp.blocks[i] for i in imp.missing]
+            self.kv.summarise(torch.tensor(fresh, dtype=torch.long, device=self.kv.device))
+            for i in imp.missing:
+                self.allocator.register(imp.blocks[i], imp.hashes[i])
+        self.allocator.release(imp.blocks)
+
+    def abort_import(self, imp: Import) -> None:
+        """Let go of an import whose bytes did not arrive (its fresh blocks stay unnamed)."""
+        self.allocator.release(imp.blocks)

@@ -1,0 +1,311 @@
+"""Disaggregated prefill and decode: ``oasiskv serve --role prefill`` and ``--role decode``.
+
+Both roles run the tiered KV path (``--kv-mode oasis``) with the same model and KV flags; the prompt
+KV moves between their host stores over NIXL (UCX, one-sided READs of registered host memory,
+``kv/remote.py``), the control messages over HTTP. Transfer mode ``full`` (``--pd-transfer full``):
+the decode worker copies every complete prompt block it does not already hold before it admits the
+request.
+
+A **prefill worker** registers its host store with a NIXL agent and serves, under ``/v1`` (behind
+the API key when one is set):
+
+- ``GET /v1/kv/descriptor``: what a reader needs to connect (NIXL metadata, region addresses, the
+  store's layout), base64.
+- ``POST /v1/kv/prefill`` ``{"prompt_token_ids": [...]}``: prefills the prompt (as a one-token
+  greedy request, whose token is dropped), then holds the host blocks of its complete prefix for
+  ``lease_s`` seconds and answers ``{"lease": id, "blocks": [host block ids, in chain order]}``.
+- ``POST /v1/kv/release`` ``{"lease": id}``: lets them go (an expired lease goes by itself).
+
+Between leases the blocks stay in its host store as cached prefix blocks (LRU), so a later prompt
+with the same prefix prefills only the rest there too.
+
+A **decode worker** (``--prefill-url URL``, repeatable) is the OpenAI front end. For each prompt,
+after tokenizing and checking it and before the engine sees it, it asks the prefill worker with the
+fewest prompts in flight to prefill it, holds a host block per offered block (the one it already has
+under the same block hash, a prefix it has seen, or a fresh one), reads the missing blocks from that
+worker in one NIXL transfer with a deadline, writes their summaries, names them in its prefix cache
+and releases the lease; the request then prefills only the last partial block. A worker that cannot
+be reached (or whose read fails or times out) is marked down and the prompt goes to the next one; a
+down worker is probed on ``/health`` every ``PROBE_S`` seconds and used again once it answers. With
+no worker left the request gets HTTP 503. Every wait has a deadline: an HTTP connection or
+control message and a NIXL read ``--remote-timeout``, a prefill answer ``--prefill-timeout``; a
+prompt waiting for its KV never holds up the engine, which keeps stepping the others. Requests
+already admitted never depend on a prefill worker again (their KV is local), so its failure ends
+no running request.
+
+/metrics (decode worker): ``oasiskv_pd_admission_bytes`` (bytes read at admission),
+``oasiskv_pd_blocks_imported`` / ``oasiskv_pd_blocks_reused`` (read, or already held),
+``oasiskv_pd_remote_reads`` / ``oasiskv_pd_remote_read_failures`` (NIXL transfers),
+``oasiskv_pd_remote_read_seconds`` (histogram), ``oasiskv_pd_prefill_worker_up{url}``; (prefill
+worker) ``oasiskv_pd_leases`` and ``oasiskv_pd_blocks_exported``.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from oasiskv.kv.exchange import KVExchange
+from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore
+from oasiskv.sampling_params import SamplingParams
+from oasiskv.server.async_engine import AsyncEngine
+from oasiskv.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
+#: seconds between two /health probes of a prefill worker marked down
+PROBE_S = 2.0
+_POLL_S = 0.0005  # between two polls of a NIXL transfer in flight
+
+
+def _exchange(bridge: AsyncEngine) -> KVExchange:
+    engine = bridge.engine
+    if engine.config.tensor_parallel_size > 1:
+        raise ValueError("--role prefill / decode run one rank (--tensor-parallel-size 1)")
+    return KVExchange(engine.runner.backend)
+
+
+def _agent_name(role: str) -> str:
+    return f"oasiskv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class PrefillService:
+    """The prefill worker's side: prefill, hold, release."""
+
+    def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry, lease_s: float = 60.0):
+        self.bridge, self.lease_s = bridge, lease_s
+        self.exchange = _exchange(bridge)
+        self.store = RemoteStore(self.exchange.kv.host, _agent_name("prefill"))
+        self.leases: dict[str, tuple[list[int], float]] = {}  # id -> (held blocks, expiry)
+        self._leases = Gauge("oasiskv_pd_leases", "Prompt KV leases held for decode workers",
+                             registry=registry)
+        self._exported = Counter("oasiskv_pd_blocks_exported",
+                                 "Host blocks offered to decode workers", registry=registry)
+        self._expiry: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+
+    async def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self.store.close()
+
+    def descriptor(self) -> dict:
+        return {"descriptor": base64.b64encode(self.store.descriptor()).decode()}
+
+    async def prefill(self, prompt_token_ids: list[int]) -> dict:
+        ids = list(prompt_token_ids)
+        self.bridge.check_prompts([ids], 1)
+        handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1, temperature=0.0)], 1)
+        try:
+            async for _ in handle.outputs():
+                pass
+        finally:
+            handle.abort()  # (a no-op once finished)
+        blocks = await self.bridge.call(lambda: self.exchange.export(ids))
+        lease = uuid.uuid4().hex
+        self.leases[lease] = (blocks, time.monotonic() + self.lease_s)
+        self._leases.set(len(self.leases))
+        self._exported.inc(len(blocks))
+        return {"lease": lease, "blocks": blocks}
+
+    async def release(self, lease: str) -> dict:
+        held = self.leases.pop(lease, None)
+        self._leases.set(len(self.leases))
+        if held is not None:
+            await self.bridge.call(lambda: self.exchange.release(held[0]))
+        return {"released": held is not None}
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for lease in [k for k, (_, expiry) in self.leases.items() if expiry < now]:
+                logger.warning("prompt KV lease %s expired unreleased", lease)
+                try:
+                    await self.release(lease)
+                except APIError:  # shutting down
+                    return
+
+
+@dataclass
+class _Worker:
+    url: str
+    up: bool = True
+    inflight: int = 0
+    peer: str | None = None  # NIXL peer name once connected
+    last_probe: float = field(default=0.0)
+
+
+class DecodeRouter:
+    """The decode worker's side: sends each prompt to a prefill worker and imports its KV."""
+
+    def __init__(self, bridge: AsyncEngine, urls: list[str], registry: CollectorRegistry,
+                 api_key: str | None = None, timeout_s: float = 10.0,
+                 prefill_timeout_s: float = 300.0):
+        """``timeout_s``: deadline of a NIXL read and of an HTTP connection or control message;
+        ``prefill_timeout_s``: of a prefill worker's answer (it prefills the prompt first)."""
+        if not urls:
+            raise ValueError("--role decode needs at least one --prefill-url")
+        self.bridge, self.timeout_s, self.prefill_timeout_s = bridge, timeout_s, prefill_timeout_s
+        self.exchange = _exchange(bridge)
+        self.reader = RemoteReader(self.exchange.kv.host, _agent_name("decode"), timeout_s)
+        self.workers = [_Worker(url.rstrip("/")) for url in urls]
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client: httpx.AsyncClient | None = None
+        self._probe: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._bytes = Counter("oasiskv_pd_admission_bytes",
+                              "Bytes of prompt KV read from prefill workers at admission",
+                              registry=registry)
+        self._imported = Counter("oasiskv_pd_blocks_imported",
+                                 "Host blocks read from prefill workers", registry=registry)
+        self._reused = Counter("oasiskv_pd_blocks_reused",
+                               "Offered host blocks this decode host already held (same prefix)",
+                               registry=registry)
+        self._reads = Counter("oasiskv_pd_remote_reads", "NIXL transfers from prefill workers",
+                              registry=registry)
+        self._failures = Counter("oasiskv_pd_remote_read_failures",
+                                 "NIXL transfers that failed or timed out", registry=registry)
+        self._latency = Histogram("oasiskv_pd_remote_read_seconds",
+                                  "A NIXL transfer from its start to its completion",
+                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                           0.25, 0.5, 1.0, 2.5), registry=registry)
+        self._up = Gauge("oasiskv_pd_prefill_worker_up", "1 while a prefill worker is in use",
+                         ["url"], registry=registry)
+        for w in self.workers:
+            self._up.labels(w.url).set(1)
+
+    def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
+        self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        for task in list(self._tasks):
+            await asyncio.wait([task], timeout=self.timeout_s)
+        if self._client is not None:
+            await self._client.aclose()
+        self.reader.close()
+
+    async def admit(self, prompts: list[list[int]]) -> None:
+        """Bring in each prompt's complete prefix KV (raises ``APIError(503)`` when no prefill
+        worker can)."""
+        for ids in prompts:
+            if (len(ids) - 1) // self.exchange.allocator.block_size:
+                await self._admit(ids)
+
+    async def _admit(self, ids: list[int]) -> None:
+        tried: list[str] = []
+        while True:
+            worker = min((w for w in self.workers if w.up and w.url not in tried),
+                         key=lambda w: w.inflight, default=None)
+            if worker is None:
+                raise APIError(503, "no prefill worker could take the prompt"
+                                    + (f" (tried {', '.join(tried)})" if tried else
+                                       " (every one is down)"),
+                               code="prefill_unavailable", headers={"Retry-After": "1"})
+            tried.append(worker.url)
+            worker.inflight += 1
+            try:
+                await self._admit_from(worker, ids)
+                return
+            except (httpx.HTTPError, RemoteReadError, TimeoutError, ValueError) as exc:
+                self._mark_down(worker, exc)
+            finally:
+                worker.inflight -= 1
+
+    async def _admit_from(self, worker: _Worker, ids: list[int]) -> None:
+        if worker.peer is None:
+            resp = await self._client.get(worker.url + "/v1/kv/descriptor")
+            resp.raise_for_status()
+            worker.peer = self.reader.connect(base64.b64decode(resp.json()["descriptor"]))
+        resp = await self._client.post(
+            worker.url + "/v1/kv/prefill", json={"prompt_token_ids": ids},
+            timeout=httpx.Timeout(self.prefill_timeout_s, connect=self.timeout_s))
+        if resp.status_code == 400:  # the prompt itself (it passed this server's checks)
+            raise APIError(400, resp.json()["error"]["message"], param="prompt")
+        resp.raise_for_status()
+        lease, offered = resp.json()["lease"], resp.json()["blocks"]
+        try:
+            try:
+                imp = await self.bridge.call(lambda: self.exchange.begin_import(ids, len(offered)))
+            except RuntimeError as exc:  # this host store is full: the engine prefills it itself
+                logger.warning("no host blocks to import a prompt's KV into (%s)", exc)
+                return
+            try:
+                if imp.missing:
+                    await self._read(worker, [offered[i] for i in imp.missing],
+                                     [imp.blocks[i] for i in imp.missing])
+            except BaseException:
+                await self.bridge.call(lambda: self.exchange.abort_import(imp))
+                raise
+            await self.bridge.call(lambda: self.exchange.finish_import(imp))
+            self._imported.inc(len(imp.missing))
+            self._reused.inc(len(imp.blocks) - len(imp.missing))
+        finally:
+            self._spawn(self._release(worker, lease))
+
+    async def _read(self, worker: _Worker, src: list[int], dst: list[int]) -> None:
+        stats = self.reader.stats
+        before = (stats.bytes, stats.transfers, stats.failed)
+        try:
+            transfer = self.reader.read(worker.peer, src, dst)
+            while not transfer.done():
+                transfer.check_deadline()
+                await asyncio.sleep(_POLL_S)
+        finally:
+            self._bytes.inc(stats.bytes - before[0])
+            self._reads.inc(stats.transfers - before[1])
+            self._failures.inc(stats.failed - before[2])
+            for seconds in stats.latencies:
+                self._latency.observe(seconds)
+            stats.latencies.clear()
+
+    async def _release(self, worker: _Worker, lease: str) -> None:
+        try:
+            await self._client.post(worker.url + "/v1/kv/release", json={"lease": lease})
+        except httpx.HTTPError as exc:  # the lease expires there by itself
+            logger.warning("releasing a lease on %s failed: %s", worker.url, exc)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _mark_down(self, worker: _Worker, exc: BaseException) -> None:
+        logger.warning("prefill worker %s marked down: %s: %s", worker.url,
+                       type(exc).__name__, exc)
+        worker.up, worker.last_probe = False, time.monotonic()
+        if worker.peer is not None:  # a restarted worker has a new agent: connect afresh
+            try:
+                self.reader.disconnect(worker.peer)
+            except Exception:  # noqa: BLE001 (NIXL's own errors): the peer is gone either way
+                self.reader.peers.pop(worker.peer, None)
+            worker.peer = None
+        self._up.labels(worker.url).set(0)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_S / 4)
+            for w in self.workers:
+                if w.up or time.monotonic() - w.last_probe < PROBE_S:
+                    continue
+                w.last_probe = time.monotonic()
+                try:
+                    if (await self._client.get(w.url + "/health")).status_code == 200:
+                        w.up = True
+                        self._up.labels(w.url).set(1)
+                        logger.info("prefill worker %s is up again", w.url)
+                except httpx.HTTPError:
+                    pass

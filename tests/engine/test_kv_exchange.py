@@ -1,0 +1,103 @@
+"""Moving a prompt's complete blocks between two tiered engines (``kv/exchange.py``), the bytes
+copied here by hand (the NIXL transport has its own tests): the importing engine prefills only the
+rest of the prompt and decodes the tokens one engine decodes alone, with K covering every block; a
+prefix it already holds is not read again; holds never leak; a full host store refuses with nothing
+held."""
+import pytest
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.kv.exchange import KVExchange
+from tests.engine.test_oasis import GREEDY, prompts
+from tests.helpers import write_tiny_checkpoint
+
+TIER = dict(kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m"), "qwen3")
+
+
+def exchange(llm) -> KVExchange:
+    return KVExchange(llm.engine.runner.backend)
+
+
+def copy_blocks(src: KVExchange, dst: KVExchange, src_blocks, dst_blocks) -> None:
+    """What a NIXL read does: whole host blocks (K, V, FP8 scales) from one store into another."""
+    a, b = src.kv.host, dst.kv.host
+    for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
+        y[torch.tensor(dst_blocks)] = x[torch.tensor(src_blocks)]
+
+
+def prefill_and_export(prefill: LLM, ids):
+    prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0))
+    return exchange(prefill).export(ids)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_imported_prefix_decodes_the_single_engine_tokens(tiny, kv_cache_dtype):
+    batch = prompts(3, lo=60, hi=150, seed=11)
+    alone = LLM(str(tiny), kv_cache_dtype=kv_cache_dtype, **TIER)
+    want = [o.token_ids for o in alone.generate(batch, GREEDY)]
+    prefill = LLM(str(tiny), kv_cache_dtype=kv_cache_dtype, **TIER)
+    decode = LLM(str(tiny), kv_cache_dtype=kv_cache_dtype, **TIER)
+    src, dst = exchange(prefill), exchange(decode)
+    B = src.allocator.block_size
+    for ids, tokens in zip(batch, want):
+        offered = prefill_and_export(prefill, ids)
+        assert len(offered) == (len(ids) - 1) // B  # the whole shareable prefix, held
+        imp = dst.begin_import(ids, len(offered))
+        assert imp.missing == list(range(len(offered)))
+        copy_blocks(src, dst, [offered[i] for i in imp.missing],
+                    [imp.blocks[i] for i in imp.missing])
+        dst.finish_import(imp)
+        src.release(offered)
+        before = decode.engine.stats.prompt_tokens_total
+        assert decode.generate([ids], GREEDY)[0].token_ids == tokens
+        # only the last partial block (and the last token) was prefilled
+        assert decode.engine.stats.prompt_tokens_total - before == len(ids) - len(offered) * B
+    for llm in (prefill, decode):
+        llm.engine.allocator.check_invariants([])
+        assert not llm.engine.allocator.held
+        assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+
+
+def test_a_prefix_the_decode_host_holds_is_not_read_again(tiny):
+    ids = prompts(1, lo=120, hi=121, seed=4)[0]
+    longer = ids + prompts(1, lo=40, hi=41, seed=5)[0]
+    prefill, decode = LLM(str(tiny), **TIER), LLM(str(tiny), **TIER)
+    src, dst = exchange(prefill), exchange(decode)
+    first = prefill_and_export(prefill, ids)
+    imp = dst.begin_import(ids, len(first))
+    copy_blocks(src, dst, first, imp.blocks)
+    dst.finish_import(imp)
+    src.release(first)
+    second = prefill_and_export(prefill, longer)
+    assert second[:len(first)] == first  # the prefill worker reused its own prefix too
+    imp = dst.begin_import(longer, len(second))
+    assert imp.missing == list(range(len(first), len(second)))
+    dst.abort_import(imp)  # nothing read: the fresh blocks go back unnamed
+    src.release(second)
+    assert not dst.allocator.held and not src.allocator.held
+    imp = dst.begin_import(longer, len(second))
+    assert imp.missing == list(range(len(first), len(second)))
+    dst.abort_import(imp)
+
+
+def test_a_full_host_store_refuses_with_nothing_held(tiny):
+    ids = prompts(1, lo=150, hi=151, seed=6)[0]
+    decode = LLM(str(tiny), **TIER)
+    dst = exchange(decode)
+    total = dst.allocator.num_total_blocks
+    hog = dst.allocator.hold_new(total - 2)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        dst.begin_import(ids, (len(ids) - 1) // dst.allocator.block_size)
+    assert sum(dst.allocator.held.values()) == total - 2
+    dst.allocator.release(hog)
+    dst.allocator.check_invariants([])
+
+
+def test_exchange_needs_the_tiered_path(tiny):
+    with pytest.raises(ValueError, match="kv-mode oasis"):
+        KVExchange(LLM(str(tiny), num_kv_blocks=64).engine.runner.backend)

@@ -1,0 +1,174 @@
+"""Disaggregated serving (``oasiskv serve --role prefill|decode``), real processes: two prefill
+workers and a decode worker serving the fixture target, the prompt KV moved by real NIXL agents
+(UCX on loopback), the control messages over HTTP.
+
+With K covering every block, the decode worker answers token for token as a single-node server; it
+reads exactly the complete prompt blocks it did not hold (counted in bytes on /metrics, against
+sizes computed here), and none of a prefix it already holds; a killed prefill worker is marked down
+and its prompts go to the other one; with none left a long prompt gets an OpenAI-shaped 503 while a
+prompt shorter than a block (nothing to move) is still served, and the decode worker stays up. A
+prefill worker that never answers holds up only the prompt sent to it, until its deadline: then it
+is marked down, the prompt goes to the other worker, and a stream running meanwhile never stops."""
+import json
+import random
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server.server_process import ServerProcess
+
+pytest.importorskip("nixl_cu13", reason="disaggregated serving needs NIXL: pip install "
+                    "'oasiskv[pd]' (x86-64 Linux wheels)")
+
+BLOCK = 16
+FLAGS = ("--dtype", "float32", "--kv-mode", "oasis", "--topk-blocks", "64", "--fetch-ratio",
+         "1.0", "--host-kv-gib", "0.02", "--block-size", str(BLOCK))
+
+
+def complete(server: ServerProcess, ids: list[int], max_tokens: int = 16) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", timeout=120,
+                      json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "logprobs": 1})
+
+
+def answer(resp: httpx.Response) -> tuple[str, list[str]]:
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    return choice["text"], choice["logprobs"]["tokens"]
+
+
+def block_bytes(fixtures_path) -> int:
+    """K and V of one host block, every layer and kv head, float32."""
+    cfg = json.loads((fixtures_path / "target" / "config.json").read_text())
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * BLOCK * cfg["head_dim"] * 4
+
+
+def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtures_path):
+    target = str(fixtures_path / "target")
+    rng = random.Random(3)
+    base = [rng.randrange(5, 4000) for _ in range(150)]
+    prompts = [base, base + [rng.randrange(5, 4000) for _ in range(70)],  # shares 9 blocks
+               [rng.randrange(5, 4000) for _ in range(97)],
+               [rng.randrange(5, 4000) for _ in range(33)]]
+    servers = []
+    try:
+        single = ServerProcess(tmp_path / "single.log", target, *FLAGS)
+        servers.append(single)
+        want = [answer(complete(single, ids)) for ids in prompts]
+        a = ServerProcess(tmp_path / "prefill-a.log", target, *FLAGS, "--role", "prefill")
+        b = ServerProcess(tmp_path / "prefill-b.log", target, *FLAGS, "--role", "prefill")
+        servers += [a, b]
+        decode = ServerProcess(tmp_path / "decode.log", target, *FLAGS, "--role", "decode",
+                               "--prefill-url", a.url, "--prefill-url", b.url)
+        servers.append(decode)
+        got = [answer(complete(decode, ids)) for ids in prompts[:1]]  # the shared prefix first
+        with ThreadPoolExecutor(3) as pool:
+            got += [answer(r) for r in pool.map(lambda ids: complete(decode, ids), prompts[1:])]
+        assert got == want
+
+        # bytes read = the complete blocks before each prompt's last token, the shared 9 once
+        blocks = [(len(ids) - 1) // BLOCK for ids in prompts]
+        assert blocks == [9, 13, 6, 2]
+        m = decode.metrics()
+        assert m["oasiskv_pd_blocks_reused_total"] == 9
+        assert m["oasiskv_pd_blocks_imported_total"] == sum(blocks) - 9
+        assert m["oasiskv_pd_admission_bytes_total"] == (sum(blocks) - 9) * block_bytes(
+            fixtures_path)
+        assert m["oasiskv_pd_remote_reads_total"] == 4 and (
+            m["oasiskv_pd_remote_read_failures_total"] == 0)
+        assert m["oasiskv_pd_remote_read_seconds_count"] == 4
+        # the prefill workers split the prompts and released every lease
+        exported = [s.metrics() for s in (a, b)]
+        assert sum(e["oasiskv_pd_blocks_exported_total"] for e in exported) == sum(blocks)
+        assert all(e["oasiskv_pd_leases"] == 0 for e in exported)
+        assert decode.wait_idle()["oasiskv_num_requests_running"] == 0
+
+        # a dead prefill worker: marked down, its prompts go to the other one
+        a.stop(signal.SIGKILL)
+        fresh = [rng.randrange(5, 4000) for _ in range(60)]
+        assert answer(complete(decode, fresh)) == answer(complete(single, fresh))
+        assert answer(complete(decode, fresh[::-1]))[0] == answer(complete(single, fresh[::-1]))[0]
+        text = httpx.get(decode.url + "/metrics").text
+        assert f'oasiskv_pd_prefill_worker_up{{url="{a.url}"}} 0.0' in text
+        assert f'oasiskv_pd_prefill_worker_up{{url="{b.url}"}} 1.0' in text
+
+        # none left: a long prompt gets a clear 503, one shorter than a block is still served
+        b.stop(signal.SIGKILL)
+        resp = complete(decode, [rng.randrange(5, 4000) for _ in range(80)])
+        assert resp.status_code == 503, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "prefill_unavailable" and "prefill worker" in error["message"]
+        short = [7, 8, 9, 10, 11]
+        assert answer(complete(decode, short)) == answer(complete(single, short))
+        assert httpx.get(decode.url + "/health").status_code == 200
+        assert decode.wait_idle()["oasiskv_kv_blocks_free"] > 0
+    finally:
+        for s in servers:
+            s.stop()
+    assert "Traceback" not in (tmp_path / "decode.log").read_text()
+
+
+def test_a_silent_prefill_worker_stalls_only_its_prompt(tmp_path, fixtures_path):
+    target = str(fixtures_path / "target")
+    silent = socket.socket()  # accepts connections (the kernel's backlog), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    servers = []
+    try:
+        real = ServerProcess(tmp_path / "prefill.log", target, *FLAGS, "--role", "prefill")
+        servers.append(real)
+        decode = ServerProcess(tmp_path / "decode.log", target, *FLAGS, "--role", "decode",
+                               "--prefill-url", silent_url, "--prefill-url", real.url,
+                               "--remote-timeout", "3")
+        servers.append(decode)
+        arrivals: list[float] = []
+        done = threading.Event()
+
+        def stream() -> None:  # a short prompt: admitted at once, decoding until told to stop
+            with httpx.stream("POST", decode.url + "/v1/completions", timeout=120,
+                              json={"prompt": [5, 6, 7], "max_tokens": 2000, "temperature": 0,
+                                    "ignore_eos": True, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+                    if done.is_set():
+                        break
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        while len(arrivals) < 5:
+            time.sleep(0.01)
+        start = time.monotonic()
+        ids = random.Random(9).sample(range(5, 4000), 90)
+        text, _ = answer(complete(decode, ids))  # tried on the silent worker first
+        held = time.monotonic() - start
+        assert held >= 3.0  # it waited for the silent worker's deadline
+        done.set()
+        streaming.join()
+        during = [t for t in arrivals if start <= t <= start + held]
+        gaps = [b - a for a, b in zip(during, during[1:])]
+        assert len(during) > 20 and max(gaps) < 1.5, (len(during), max(gaps, default=None))
+        m = decode.metrics()  # its KV came from the real worker
+        assert m["oasiskv_pd_blocks_imported_total"] == (len(ids) - 1) // BLOCK
+        body = httpx.get(decode.url + "/metrics").text
+        assert f'oasiskv_pd_prefill_worker_up{{url="{silent_url}"}} 0.0' in body
+        assert text == answer(complete(real, ids))[0]  # (a prefill worker serves the API too)
+    finally:
+        for s in servers:
+            s.stop()
+        silent.close()
+
+
+def test_roles_refuse_what_they_cannot_do(tmp_path, fixtures_path):
+    target = str(fixtures_path / "target")
+    for flags, message in [(("--role", "decode"), "needs at least one --prefill-url"),
+                           (("--role", "prefill", "--kv-mode", "dense"), "kv-mode oasis"),
+                           (("--prefill-url", "http://127.0.0.1:1"), "is for --role decode")]:
+        with pytest.raises(RuntimeError, match=message):
+            ServerProcess(tmp_path / "bad.log", target, "--dtype", "float32", *flags)
