@@ -131,7 +131,8 @@ def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0) -> LLMEngi
     store of ``emulated_host_gib`` GiB when > 0)."""
     if config.kv_mode != "oasis" or not emulated_host_gib:
         return LLMEngine(config)
-    probes = TierProbes(host_store=emulated_host(emulated_host_gib) if emulated_host_gib else None)
+    # (as --host-kv-gib: the total over the ranks, each emulating its kv heads' share)
+    probes = TierProbes(host_store=emulated_host(emulated_host_gib / config.tensor_parallel_size))
     return LLMEngine(config, backend_factory=oasis_backend(probes))
 
 

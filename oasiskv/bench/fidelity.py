@@ -27,6 +27,7 @@ set-agreement observer and the oracle drafter are attached through the backend f
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import sys
@@ -309,12 +310,32 @@ def run_from_args(args: argparse.Namespace) -> int:
                      for row, w in ((tables["mean"].get(bucket), 16),
                                     (tables["min"].get(bucket), 24))]
             print(f"{bucket:>12} {cells[0]} {cells[1]}")
+    signal = {how: recall_signal(measured_positions(runs, dense, how)) for how in ("mean", "min")}
+    for how, s in signal.items():
+        if s is None:
+            continue
+        print(f"\nrecall ({how} over layers) as a predictor of top-1 disagreement: AUC "
+              f"{s['auc']:.3f} (0.5 = none); mean recall {s['mean_recall_agree']:.3f} where "
+              f"top-1 = dense, {s['mean_recall_disagree']:.3f} where not; by quartile:")
+        for q in s["quartiles"]:
+            print(f"{q['recall']:>18} {q['positions']:>8} positions, top-1 = dense "
+                  f"{q['top1_agreement']:.3f}")
     print(json.dumps({"windows": args.windows, "window_len": args.window_len, "last": args.last,
-                      "runs": rows, "top1_by_recall": by_recall}))
+                      "runs": rows, "top1_by_recall": by_recall, "recall_signal": signal}))
     return 0
 
 
 RECALL_BUCKETS = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0001)
+
+
+def measured_positions(runs: list[Run], dense: Run, how: str) -> list[tuple[float, bool]]:
+    """(recall over layers, top-1 = dense) of every measured position of the runs with recall;
+    ``how``: the mean or the min over the position's layers."""
+    reduce = {"mean": lambda xs: sum(xs) / len(xs), "min": min}[how]
+    return [(reduce(shares), a == b)
+            for run in runs
+            for recalls, got, want in zip(run.recall or (), run.top1, dense.top1)
+            for shares, a, b in zip(recalls, got, want) if shares]
 
 
 def recall_table(runs: list[Run], dense: Run, how: str) -> list[dict]:
@@ -322,19 +343,34 @@ def recall_table(runs: list[Run], dense: Run, how: str) -> list[dict]:
     by bucket of the position's recall over layers (``how``: mean or min; empty buckets left
     out)."""
     counts = [[0, 0] for _ in RECALL_BUCKETS[:-1]]
-    reduce = {"mean": lambda xs: sum(xs) / len(xs), "min": min}[how]
-    for run in runs:
-        for recalls, got, want in zip(run.recall or (), run.top1, dense.top1):
-            for shares, a, b in zip(recalls, got, want):
-                if not shares:
-                    continue
-                share = reduce(shares)
-                i = next(j for j in range(len(counts)) if share < RECALL_BUCKETS[j + 1])
-                counts[i][0] += 1
-                counts[i][1] += a == b
+    for share, same in measured_positions(runs, dense, how):
+        i = next(j for j in range(len(counts)) if share < RECALL_BUCKETS[j + 1])
+        counts[i][0] += 1
+        counts[i][1] += same
     return [{"recall": f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}",
              "positions": n, "top1_agreement": same / n}
             for (lo, hi), (n, same) in zip(zip(RECALL_BUCKETS, RECALL_BUCKETS[1:]), counts) if n]
+
+
+def recall_signal(positions: list[tuple[float, bool]]) -> dict | None:
+    """How well a position's recall separates top-1 disagreement from agreement: top-1 agreement
+    by recall quartile (of these positions), the mean recall of each group, and the AUC of "lower
+    recall, disagrees" (the chance that a disagreeing position has lower recall than an agreeing
+    one, ties half; 0.5 = no signal). None without both groups."""
+    agree = sorted(r for r, same in positions if same)
+    disagree = [r for r, same in positions if not same]
+    if not agree or not disagree:
+        return None
+    below = sum(bisect.bisect_right(agree, r) for r in disagree)
+    ties = sum(bisect.bisect_right(agree, r) - bisect.bisect_left(agree, r) for r in disagree)
+    auc = (len(agree) * len(disagree) - below + ties / 2) / (len(agree) * len(disagree))
+    ranked = sorted(positions)
+    quarters = [ranked[len(ranked) * i // 4: len(ranked) * (i + 1) // 4] for i in range(4)]
+    return {"auc": auc, "mean_recall_agree": sum(agree) / len(agree),
+            "mean_recall_disagree": sum(disagree) / len(disagree),
+            "quartiles": [{"recall": f"[{q[0][0]:.3f}, {q[-1][0]:.3f}]", "positions": len(q),
+                           "top1_agreement": sum(s for _, s in q) / len(q)}
+                          for q in quarters if q]}
 
 
 if __name__ == "__main__":

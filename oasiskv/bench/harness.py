@@ -5,12 +5,14 @@
   physical blocks. Bytes moved and access patterns are real, the contents are not: only for
   random-weight throughput runs, and every output says so (``emulated_label``).
 - ``oasis_backend``: a backend factory for ``LLMEngine`` that builds the sparse backend with probes
-  (and optionally a drafter of the harness's own, e.g. the eval's oracle).
+  (and optionally a drafter of the harness's own, e.g. the eval's oracle); picklable when they
+  are, so that tensor-parallel ranks build the same.
 """
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -41,12 +43,15 @@ class EmulatedHostStore(HostStore):
         return torch.where(slots >= 0, slots % span, slots)
 
 
-def emulated_host(gib: float):
+@dataclass(frozen=True)
+class emulated_host:  # noqa: N801 (used as a factory function)
     """A ``TierProbes.host_store`` factory: ``gib`` GiB of block ids over the physical store that
-    ``host_kv_gib`` sizes."""
-    def make(layout: TieredLayout, num_physical: int, pin: bool) -> HostStore:
-        return EmulatedHostStore(layout, host_blocks_for(gib, layout), pin, num_physical)
-    return make
+    ``host_kv_gib`` sizes (per rank: the bench passes each rank its share). Picklable, so every
+    tensor-parallel rank builds its own."""
+    gib: float
+
+    def __call__(self, layout: TieredLayout, num_physical: int, pin: bool) -> HostStore:
+        return EmulatedHostStore(layout, host_blocks_for(self.gib, layout), pin, num_physical)
 
 
 def emulated_label(engine) -> str:

@@ -96,12 +96,8 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_path)
         self.driver = None
         if config.tensor_parallel_size > 1:
-            if backend_factory is not make_backend:
-                raise ValueError("tensor_parallel_size > 1 builds every rank's attention backend "
-                                 "itself: a custom backend_factory (e.g. the bench's emulated "
-                                 "host store) runs on one rank only")
             from oasiskv.engine.tensor_parallel import TensorParallelDriver
-            self.driver = TensorParallelDriver(config, self.model_path)
+            self.driver = TensorParallelDriver(config, self.model_path, backend_factory)
         try:
             self.runner = ModelRunner(config, self.model_path, self.model_config, backend_factory,
                                       self.driver)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from oasiskv.attention import BackendFactory, make_backend
 from oasiskv.config import EngineConfig
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
@@ -105,15 +107,24 @@ class TensorParallelDriver:
     the process group with them (so the model rank 0 builds next is its part); ``step`` sends a
     step to the workers, ``close`` stops them."""
 
-    def __init__(self, config: EngineConfig, model_path: Path):
+    def __init__(self, config: EngineConfig, model_path: Path,
+                 backend_factory: BackendFactory = make_backend):
+        """``backend_factory`` builds every rank's attention backend: it goes to the workers
+        pickled (``ValueError`` when it cannot)."""
+        try:
+            pickle.dumps(backend_factory)
+        except Exception as exc:  # noqa: BLE001 (whatever pickling raises)
+            raise ValueError("tensor_parallel_size > 1 builds the attention backend on every "
+                             "rank: a custom backend_factory must be picklable "
+                             f"({type(exc).__name__}: {exc})") from None
         size = config.tensor_parallel_size
         port = _free_port()
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(config, model_path, rank, size, port,
-                                                          child, os.getpid()),
+            proc = ctx.Process(target=_worker_main, args=(config, model_path, backend_factory,
+                                                          rank, size, port, child, os.getpid()),
                                daemon=True, name=f"oasiskv-tp{rank}")
             proc.start()
             self.pipes.append(parent)
@@ -271,8 +282,8 @@ class _Mirror:
                               message.is_prefill)
 
 
-def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, port: int,
-                 pipe, parent_pid: int) -> None:
+def _worker_main(config: EngineConfig, model_path: Path, backend_factory: BackendFactory,
+                 rank: int, size: int, port: int, pipe, parent_pid: int) -> None:
     """Rank ``rank``: build its part of the model and run every step rank 0 sends, until told to
     exit or rank 0 is gone."""
     from oasiskv.config import ModelConfig
@@ -282,7 +293,7 @@ def _worker_main(config: EngineConfig, model_path: Path, rank: int, size: int, p
         config = replace(config, device=str(device))
     tp = _join(rank, size, port, device)
     runner = ModelRunner(config, model_path, ModelConfig.from_file(model_path / "config.json"),
-                         tp=tp)
+                         backend_factory, tp=tp)
     runner.backend.make_allocator()  # its lifecycle; the scheduling allocator is rank 0's
     mirror = _Mirror(runner.backend)
     last: ScheduledBatch | None = None  # the step run last

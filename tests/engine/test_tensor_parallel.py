@@ -211,10 +211,36 @@ def test_shapes_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match="num_key_value_heads .3. does not divide by "
                                          "tensor_parallel_size 2"):
         cfg.shard(2)
-    # a harness's own backend (e.g. an emulated host store) would exist on rank 0 only
-    from oasiskv.bench.harness import oasis_backend
+    # a harness's own backend goes to every rank pickled: one that cannot be is refused
+    from oasiskv.attention import make_backend
     from oasiskv.engine.llm_engine import LLMEngine
-    from oasiskv.kv.probes import TierProbes
-    with pytest.raises(ValueError, match="custom backend_factory"):
-        LLMEngine(backend_factory=oasis_backend(TierProbes()), kv_mode="oasis", device="cpu",
+    with pytest.raises(ValueError, match="backend_factory must be picklable"):
+        LLMEngine(backend_factory=lambda *a: make_backend(*a), kv_mode="oasis", device="cpu",
                   tensor_parallel_size=2)
+
+
+def test_every_rank_builds_the_harness_backend(tmp_path):
+    """The bench's emulated host store (block ids beyond the physical blocks, ids sharing rows)
+    exists on each rank: two ranks decode what one does over the same emulation, 32 requests
+    taking block ids far past the physical blocks of each rank's store (two at a time, so that
+    live requests never share a row: what shared rows hold is meaningless, and differs with the
+    ranks' rounding)."""
+    from oasiskv.bench.harness import emulated_host, oasis_backend
+    from oasiskv.kv.probes import TierProbes
+    path = write_tiny_checkpoint(tmp_path / "q", "qwen3")
+    batch = prompts(32, seed=4)
+    kw = dict(device="cpu", kv_mode="oasis", topk_blocks=2, fetch_ratio=0.5, host_kv_gib=0.0006,
+              max_num_seqs=2)
+
+    def emulating(size: int) -> LLM:  # 0.004 GiB of block ids in all, each rank its share
+        return LLM(str(path), tensor_parallel_size=size, **kw, backend_factory=oasis_backend(
+            TierProbes(host_store=emulated_host(0.004 / size))))
+    one = emulating(1)
+    host = one.engine.runner.backend.kv.host
+    assert host.num_blocks > 6 * host.num_physical
+    want = _tokens(one, batch)
+    two = emulating(2)
+    try:
+        assert _tokens(two, batch) == want
+    finally:
+        two.close()
