@@ -2,7 +2,7 @@
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
-#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics]
+#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [pd-bench]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -25,6 +25,12 @@ bench() {  # name, then bench flags: BENCH_MODEL (Qwen3-8B shape), random weight
   python3 -m oasiskv.cli --log-level WARNING bench "${BENCH_MODEL:-qwen3-8b}" --max-num-seqs 256 "$@" 2>&1 \
     | tee "$OUT/$name.log" | grep -v '^{' | tail -8
   summary+=("$name: $(grep -E '^(oasis|oasiskv)' "$OUT/$name.log" | awk '{print $1, $2, $3, $5, $6, $7, $11, $12}' | tr '\n' '|')")
+}
+
+need() {  # install missing packages from wheels staged in .whl (the machine has no index), e.g.
+  # `pip download -d .whl --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+  # --platform manylinux_2_28_x86_64 fastapi uvicorn pydantic nixl-cu13==1.5.1`
+  python3 -m pip install -q --no-index --find-links .whl "$@" 2>&1 | tail -2
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -104,15 +110,19 @@ for stage in $stages; do
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
           --guardrail-rate "$rate"
       done ;;
-    metrics)  # a real tiered server's /metrics under load (real host store, guardrail on); a machine
-      # without the server packages installs them from wheels staged in .whl (`pip download -d .whl
-      # --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 fastapi uvicorn pydantic`)
-      python3 -c "import fastapi, uvicorn" 2>/dev/null \
-        || python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic 2>&1 | tail -2
+    metrics)  # a real tiered server's /metrics under load (real host store, guardrail on)
+      need fastapi uvicorn pydantic
       python3 scripts/metrics_check.py qwen3-8b --context 32768 --requests "${METRICS_REQUESTS:-8}" \
         --max-tokens 32 -- --kv-mode oasis --host-kv-gib 48 --draft ngram --guardrail-rate 0.1 \
         2>&1 | tee "$OUT/metrics.log" | tail -40
       summary+=("metrics: $(tail -1 "$OUT/metrics.log")") ;;
+    pd-bench)  # 2 GPUs: one node vs a prefill worker (GPU 1) + decode worker (GPU 0), prompt KV over
+      # NIXL; PD_REQUESTS (default 32) concurrent 32K prompts, 64 tokens each
+      need fastapi uvicorn pydantic httpx nixl-cu13
+      python3 scripts/pd_bench.py "${BENCH_MODEL:-qwen3-8b}" --context 32768 --requests "${PD_REQUESTS:-32}" \
+        --max-tokens 64 --prefill-gpu 1 --decode-gpu 0 -- --kv-mode oasis --host-kv-gib "$HOST_GIB" \
+        --draft ngram --kv-cache-dtype "$KV_DTYPE" 2>&1 | tee "$OUT/pd_bench.log" | grep -v '^{' | tail -8
+      summary+=("pd-bench: see table above") ;;
     kernels)
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
       summary+=("kernels: $(tail -1 "$OUT/kernels.log" | cut -c1-300)") ;;

@@ -257,20 +257,20 @@ class DecodeRouter:
             self._spawn(self._release(worker, lease))
 
     async def _read(self, worker: _Worker, src: list[int], dst: list[int]) -> None:
-        stats = self.reader.stats
-        before = (stats.bytes, stats.transfers, stats.failed)
+        """Whole blocks ``src`` of ``worker`` into local ``dst``, one transfer (counted here: the
+        reader's own totals mix the reads other prompts have in flight)."""
+        start = time.monotonic()
+        self._reads.inc()
         try:
             transfer = self.reader.read(worker.peer, src, dst)
             while not transfer.done():
                 transfer.check_deadline()
                 await asyncio.sleep(_POLL_S)
-        finally:
-            self._bytes.inc(stats.bytes - before[0])
-            self._reads.inc(stats.transfers - before[1])
-            self._failures.inc(stats.failed - before[2])
-            for seconds in stats.latencies:
-                self._latency.observe(seconds)
-            stats.latencies.clear()
+        except BaseException:
+            self._failures.inc()
+            raise
+        self._latency.observe(time.monotonic() - start)
+        self._bytes.inc(len(src) * self.exchange.block_bytes)
 
     async def _release(self, worker: _Worker, lease: str) -> None:
         try:

@@ -1,0 +1,191 @@
+"""Disaggregated serving under load: one node (``--role both``) against a prefill worker plus a
+decode worker (``--role prefill`` / ``--role decode``, prompt KV over NIXL), same load.
+
+python scripts/pd_bench.py qwen3-8b --context 32768 --requests 32 --max-tokens 64 \\
+    --prefill-gpu 1 --decode-gpu 0 -- --kv-mode oasis --host-kv-gib 96 --draft ngram
+
+Each setup gets ``--requests`` concurrent streamed completions of ``--context`` random prompt token
+ids and ``--max-tokens`` tokens each. Reported per setup: TTFT (mean, p99), decode tok/s (tokens
+after each request's first, over the time from the first first-token to the last token), the
+largest running batch seen on /metrics (polled), and for the decode worker the bytes read at
+admission, NIXL reads and their GB/s (bytes over the summed transfer seconds) with the p99
+transfer time (histogram bucket bound). A table, then one JSON line. Everything after ``--`` goes
+to every ``oasiskv serve`` as is (both workers need the same KV flags). A bench preset runs with
+random weights (``--load-format dummy``), the same in every process; the GPUs given run the
+workers (``CUDA_VISIBLE_DEVICES``), the single node on the decode GPU.
+"""
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``oasiskv serve`` in a subprocess on a free loopback port."""
+
+    def __init__(self, args, extra: list[str], gpu: str | None, *flags: str):
+        from oasiskv.models.loader import preset_names
+        self.url = f"http://127.0.0.1:{_port()}"
+        load = "dummy" if args.model in preset_names() else "auto"
+        cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve", args.model,
+               "--port", self.url.rsplit(":", 1)[1], "--load-format", load,
+               "--max-model-len", str(args.context + args.max_tokens + 1),
+               "--max-num-seqs", str(args.requests), *extra, *flags]
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        self.proc = subprocess.Popen(cmd, env=env)
+        deadline = time.monotonic() + args.timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server not healthy in time")
+            time.sleep(1)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _p99(values: list[float]) -> float:
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))]
+
+
+def _histogram_p99(m: dict[str, float], name: str) -> float | None:
+    """The upper bound of the bucket holding the 99th percentile of histogram ``name``."""
+    count = m.get(f"{name}_count", 0)
+    if not count:
+        return None
+    buckets = sorted((float(k.split('le="')[1].rstrip('"}')), v) for k, v in m.items()
+                     if k.startswith(f"{name}_bucket{{") and "+Inf" not in k)
+    return next((le for le, v in buckets if v >= 0.99 * count), float("inf"))
+
+
+def run_load(args, front: Server) -> dict:
+    """The load against ``front``; returns the measured point."""
+    peak, stop = [0.0], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], front.metrics()["oasiskv_num_requests_running"])
+            except (httpx.HTTPError, KeyError):
+                pass
+            stop.wait(0.5)
+
+    def one(i: int) -> tuple[float, float, float, int]:
+        rng = random.Random(i)
+        body = {"prompt": [rng.randrange(1, 250) for _ in range(args.context)],
+                "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        start, first, last, tokens = time.monotonic(), None, None, 0
+        with httpx.stream("POST", front.url + "/v1/completions", json=body,
+                          timeout=args.timeout) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    last = time.monotonic()
+                    first = first or last
+                    tokens += 1
+        return start, first, last, tokens
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    with ThreadPoolExecutor(args.requests) as pool:
+        results = list(pool.map(one, range(args.requests)))
+    stop.set()
+    ttft = [first - start for start, first, _, _ in results]
+    span = max(r[2] for r in results) - min(r[1] for r in results)
+    decoded = sum(tokens - 1 for *_, tokens in results)
+    m = front.metrics()
+    point = {"ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _p99(ttft),
+             "decode_tok_s": decoded / span if span > 0 else 0.0, "peak_batch": peak[0]}
+    if "oasiskv_pd_admission_bytes_total" in m:
+        nbytes, seconds = (m["oasiskv_pd_admission_bytes_total"],
+                           m.get("oasiskv_pd_remote_read_seconds_sum", 0.0))
+        point |= {"admission_gb": nbytes / 1e9, "remote_reads": m["oasiskv_pd_remote_reads_total"],
+                  "remote_gb_s": nbytes / seconds / 1e9 if seconds else None,
+                  "remote_read_p99_s": _histogram_p99(m, "oasiskv_pd_remote_read_seconds")}
+    return point
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prefill-gpu", default=None, help="CUDA_VISIBLE_DEVICES of the prefill "
+                                                            "worker (default: inherited)")
+    parser.add_argument("--decode-gpu", default=None, help="... of the decode worker and the "
+                                                           "single node (default: inherited)")
+    parser.add_argument("--setups", default="single,pd", help="which setups to run, in order")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args(argv)
+    points = {}
+    for setup in args.setups.split(","):
+        servers = []
+        try:
+            if setup == "single":
+                servers.append(Server(args, extra, args.decode_gpu))
+            elif setup == "pd":
+                prefill = Server(args, extra, args.prefill_gpu, "--role", "prefill")
+                servers.append(prefill)
+                servers.append(Server(args, extra, args.decode_gpu, "--role", "decode",
+                                      "--prefill-url", prefill.url))
+            else:
+                raise SystemExit(f"unknown setup {setup!r} (single, pd)")
+            points[setup] = run_load(args, servers[-1])
+        finally:
+            for s in servers:
+                s.stop()
+    print(f"{'setup':8} {'TTFT mean s':>12} {'TTFT p99 s':>11} {'decode tok/s':>13} "
+          f"{'peak batch':>11} {'admission GB':>13} {'reads':>6} {'remote GB/s':>12} "
+          f"{'read p99 s':>11}")
+    for setup, p in points.items():
+        cells = [f"{p.get(k):>{w}.3f}" if isinstance(p.get(k), float) else f"{'-':>{w}}"
+                 for k, w in (("admission_gb", 13), ("remote_reads", 6), ("remote_gb_s", 12),
+                              ("remote_read_p99_s", 11))]
+        print(f"{setup:8} {p['ttft_mean_s']:12.3f} {p['ttft_p99_s']:11.3f} "
+              f"{p['decode_tok_s']:13.1f} {p['peak_batch']:11.0f} " + " ".join(cells))
+    print(json.dumps({"model": args.model, "context": args.context, "requests": args.requests,
+                      "max_tokens": args.max_tokens, "flags": extra, "points": points}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
