@@ -17,9 +17,11 @@ and ``oracle`` (the true next token: the upper bound).
 
 With ``--guardrail`` the capped and lookahead runs carry the online guardrail at rate 1 (every
 decoded position measured at every layer: the share of exact attention mass the working set held,
-``kv/guardrail.py``), and a second table says how top-1 agreement with dense goes with that recall
-(a position's mean over layers, and its lowest layer), by recall bucket: whether the online metric
-predicts disagreement. (Served, the guardrail measures one random layer per sampled row.)
+``kv/guardrail.py``, and the attention output's relative error), and a second table says how top-1
+agreement with dense goes with that recall (a position's mean over layers, and its lowest layer),
+by recall bucket. Whether the online measures predict disagreement: for recall (mean, min over
+layers) and output error (mean, max), the AUC of "worse measure, top-1 differs" and top-1 agreement
+by quartile. (Served, the guardrail measures one random layer per sampled row.)
 
 Every run goes through ``LLMEngine.step(forced=...)``, the engine's teacher-forcing step; the
 set-agreement observer and the oracle drafter are attached through the backend factory.
@@ -55,6 +57,7 @@ class Run:
     set_agreement: list[float] | None = None
     cap_fill: dict | None = None  # tiered runs: admitted blocks / what the fetch cap allows
     recall: list[list[list[float]]] | None = None  # guardrail: per window, position, layer
+    error: list[list[list[float]]] | None = None  # ... the attention output's relative error
 
 
 class CapFill:
@@ -176,14 +179,16 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
     if measured:
         guardrail.every_layer = True
     recall = {rid: [[] for _ in range(last)] for rid in forced}  # per position: every layer's
+    error = {rid: [[] for _ in range(last)] for rid in forced}
     first = {rid: len(w) - last for rid, w in zip(forced, wins)}  # the first scored position
     hits = tries = 0
     fill = CapFill()
 
     def record(samples: dict) -> None:
         if samples.get("guardrail_recall"):
-            for rid, pos, _, share, _ in guardrail.last:  # the position predicts token pos + 1
+            for rid, pos, _, share, err in guardrail.last:  # the position predicts token pos + 1
                 recall[rid][pos + 1 - first[rid]].append(share)
+                error[rid][pos + 1 - first[rid]].append(err)
 
     progress = tqdm(total=last * len(wins), desc=setting[:40], unit="tok", file=sys.stderr,
                     mininterval=2.0)
@@ -206,7 +211,8 @@ def teacher_forced(engine: LLMEngine, wins: list[list[int]], last: int, setting:
     losses = [x for rid in forced for x in nll[rid]]
     return Run(setting, sum(losses) / len(losses), [greedy[rid] for rid in forced],
                hits / tries if tries else None, cap_fill=fill.summary(),
-               recall=[recall[rid] for rid in forced] if measured else None)
+               recall=[recall[rid] for rid in forced] if measured else None,
+               error=[error[rid] for rid in forced] if measured else None)
 
 
 def evaluate(args: argparse.Namespace) -> list[Run]:
@@ -310,32 +316,38 @@ def run_from_args(args: argparse.Namespace) -> int:
                      for row, w in ((tables["mean"].get(bucket), 16),
                                     (tables["min"].get(bucket), 24))]
             print(f"{bucket:>12} {cells[0]} {cells[1]}")
-    signal = {how: recall_signal(measured_positions(runs, dense, how)) for how in ("mean", "min")}
-    for how, s in signal.items():
+    signal = {f"{field} {how}": predictor_signal(measured_positions(runs, dense, how, field),
+                                                 worse_when_higher=field == "error")
+              for field, how in (("recall", "mean"), ("recall", "min"), ("error", "mean"),
+                                 ("error", "max"))}
+    for name, s in signal.items():
         if s is None:
             continue
-        print(f"\nrecall ({how} over layers) as a predictor of top-1 disagreement: AUC "
-              f"{s['auc']:.3f} (0.5 = none); mean recall {s['mean_recall_agree']:.3f} where "
-              f"top-1 = dense, {s['mean_recall_disagree']:.3f} where not; by quartile:")
+        field, how = name.split()
+        print(f"\n{field} ({how} over layers) as a predictor of top-1 disagreement: AUC "
+              f"{s['auc']:.3f} (0.5 = none); mean {s['mean_agree']:.3f} where top-1 = dense, "
+              f"{s['mean_disagree']:.3f} where not; by quartile:")
         for q in s["quartiles"]:
-            print(f"{q['recall']:>18} {q['positions']:>8} positions, top-1 = dense "
+            print(f"{q['range']:>18} {q['positions']:>8} positions, top-1 = dense "
                   f"{q['top1_agreement']:.3f}")
     print(json.dumps({"windows": args.windows, "window_len": args.window_len, "last": args.last,
-                      "runs": rows, "top1_by_recall": by_recall, "recall_signal": signal}))
+                      "runs": rows, "top1_by_recall": by_recall, "guardrail_signal": signal}))
     return 0
 
 
 RECALL_BUCKETS = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0001)
 
 
-def measured_positions(runs: list[Run], dense: Run, how: str) -> list[tuple[float, bool]]:
-    """(recall over layers, top-1 = dense) of every measured position of the runs with recall;
-    ``how``: the mean or the min over the position's layers."""
-    reduce = {"mean": lambda xs: sum(xs) / len(xs), "min": min}[how]
-    return [(reduce(shares), a == b)
+def measured_positions(runs: list[Run], dense: Run, how: str,
+                       field: str = "recall") -> list[tuple[float, bool]]:
+    """(a guardrail measure over layers, top-1 = dense) of every measured position of the runs
+    with one; ``field``: recall or error; ``how``: the mean, min or max over the position's
+    layers."""
+    reduce = {"mean": lambda xs: sum(xs) / len(xs), "min": min, "max": max}[how]
+    return [(reduce(values), a == b)
             for run in runs
-            for recalls, got, want in zip(run.recall or (), run.top1, dense.top1)
-            for shares, a, b in zip(recalls, got, want) if shares]
+            for per_pos, got, want in zip(getattr(run, field) or (), run.top1, dense.top1)
+            for values, a, b in zip(per_pos, got, want) if values]
 
 
 def recall_table(runs: list[Run], dense: Run, how: str) -> list[dict]:
@@ -352,23 +364,26 @@ def recall_table(runs: list[Run], dense: Run, how: str) -> list[dict]:
             for (lo, hi), (n, same) in zip(zip(RECALL_BUCKETS, RECALL_BUCKETS[1:]), counts) if n]
 
 
-def recall_signal(positions: list[tuple[float, bool]]) -> dict | None:
-    """How well a position's recall separates top-1 disagreement from agreement: top-1 agreement
-    by recall quartile (of these positions), the mean recall of each group, and the AUC of "lower
-    recall, disagrees" (the chance that a disagreeing position has lower recall than an agreeing
-    one, ties half; 0.5 = no signal). None without both groups."""
-    agree = sorted(r for r, same in positions if same)
-    disagree = [r for r, same in positions if not same]
+def predictor_signal(positions: list[tuple[float, bool]],
+                     worse_when_higher: bool = False) -> dict | None:
+    """How well a position's measure (e.g. recall; an error when ``worse_when_higher``) separates
+    top-1 disagreement from agreement: top-1 agreement by quartile of the measure (over these
+    positions), its mean in each group, and the AUC of "worse measure, disagrees" (the chance
+    that a disagreeing position's measure is worse than an agreeing one's, ties half; 0.5 = no
+    signal, 1 = a perfect separation). None without both groups."""
+    sign = -1.0 if worse_when_higher else 1.0
+    agree = sorted(sign * v for v, same in positions if same)
+    disagree = [sign * v for v, same in positions if not same]
     if not agree or not disagree:
         return None
-    below = sum(bisect.bisect_right(agree, r) for r in disagree)
-    ties = sum(bisect.bisect_right(agree, r) - bisect.bisect_left(agree, r) for r in disagree)
+    below = sum(bisect.bisect_right(agree, v) for v in disagree)
+    ties = sum(bisect.bisect_right(agree, v) - bisect.bisect_left(agree, v) for v in disagree)
     auc = (len(agree) * len(disagree) - below + ties / 2) / (len(agree) * len(disagree))
     ranked = sorted(positions)
     quarters = [ranked[len(ranked) * i // 4: len(ranked) * (i + 1) // 4] for i in range(4)]
-    return {"auc": auc, "mean_recall_agree": sum(agree) / len(agree),
-            "mean_recall_disagree": sum(disagree) / len(disagree),
-            "quartiles": [{"recall": f"[{q[0][0]:.3f}, {q[-1][0]:.3f}]", "positions": len(q),
+    return {"auc": auc, "mean_agree": sign * sum(agree) / len(agree),
+            "mean_disagree": sign * sum(disagree) / len(disagree),
+            "quartiles": [{"range": f"[{q[0][0]:.3f}, {q[-1][0]:.3f}]", "positions": len(q),
                            "top1_agreement": sum(s for _, s in q) / len(q)}
                           for q in quarters if q]}
 

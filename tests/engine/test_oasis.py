@@ -262,24 +262,28 @@ def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
         assert table[-1]["recall"] == "[0.99, 1.00]" and table[-1]["positions"] >= 2 * 23
         assert all(0 <= row["top1_agreement"] <= 1 for row in table)
     assert "top-1 = dense by guardrail recall" in out.stdout
-    for signal in result["recall_signal"].values():  # (None when every position agrees)
+    assert set(result["guardrail_signal"]) == {"recall mean", "recall min", "error mean",
+                                               "error max"}
+    for signal in result["guardrail_signal"].values():  # (None when every position agrees)
         assert signal is None or (
             0 <= signal["auc"] <= 1
             and sum(q["positions"] for q in signal["quartiles"]) == 2 * 2 * 23)
 
 
-def test_recall_signal_auc_and_quartiles():
-    from oasiskv.bench.fidelity import recall_signal
+def test_guardrail_predictor_auc_and_quartiles():
+    from oasiskv.bench.fidelity import predictor_signal
     separated = [(0.1, False), (0.2, False), (0.3, True), (0.4, True)]
-    assert recall_signal(separated)["auc"] == 1.0
-    assert recall_signal([(r, not s) for r, s in separated])["auc"] == 0.0
+    assert predictor_signal(separated)["auc"] == 1.0
+    assert predictor_signal([(r, not s) for r, s in separated])["auc"] == 0.0
+    # an error: worse when higher, so the same positions separate perfectly the other way
+    assert predictor_signal([(r, not s) for r, s in separated], worse_when_higher=True)["auc"] == 1
     # pairs (disagree, agree): (0.5, 0.5) a tie, the other three lower: (3 + 0.5) / 4
-    assert recall_signal([(0.5, True), (0.5, False), (0.7, True), (0.2, False)])["auc"] == 0.875
-    signal = recall_signal(separated)
+    assert predictor_signal([(0.5, True), (0.5, False), (0.7, True), (0.2, False)])["auc"] == 0.875
+    signal = predictor_signal(separated)
     assert [q["top1_agreement"] for q in signal["quartiles"]] == [0.0, 0.0, 1.0, 1.0]
-    assert signal["mean_recall_agree"] == pytest.approx(0.35)
-    assert signal["mean_recall_disagree"] == pytest.approx(0.15)
-    assert recall_signal([(0.3, True)]) is None
+    assert signal["mean_agree"] == pytest.approx(0.35)
+    assert signal["mean_disagree"] == pytest.approx(0.15)
+    assert predictor_signal([(0.3, True)]) is None
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
