@@ -219,6 +219,8 @@ class SparseBackend(AttentionBackend):
         for budget, count in self.allocator.refused.items():
             counters[f"admissions_refused_{budget}"] = count
             self.allocator.refused[budget] = 0
+        # cached prompt blocks the host store handed out again (prefix cache evictions)
+        counters["prefix_evictions"], self.allocator.evictions = self.allocator.evictions, 0
         if self.lookahead is not None:
             self.lookahead.advance(batch, self._last_aux())
             counters.update(self.lookahead.take_counts())

@@ -36,6 +36,7 @@ class BlockManager(KVAllocator):
         self.block_hash: dict[int, int] = {}
         self._hashed: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks hashed, last hash)
         self.held: Counter[int] = Counter()  # block -> holds outside block tables
+        self.evictions = 0  #: cached blocks handed out again (their prefix forgotten), so far
 
     @property
     def num_total_blocks(self) -> int:
@@ -167,6 +168,7 @@ class BlockManager(KVAllocator):
         h = self.block_hash.pop(block, None)
         if h is not None:
             del self.hash_to_block[h]
+            self.evictions += 1
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Assert ref counts match the live block tables and the free list (tests call this)."""

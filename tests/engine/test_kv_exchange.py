@@ -101,3 +101,16 @@ def test_a_full_host_store_refuses_with_nothing_held(tiny):
 def test_exchange_needs_the_tiered_path(tiny):
     with pytest.raises(ValueError, match="kv-mode oasis"):
         KVExchange(LLM(str(tiny), num_kv_blocks=64).engine.runner.backend)
+
+
+def test_prefix_cache_evictions_are_counted(tiny):
+    """A host store too small to keep earlier prompts cached hands their blocks out again, and
+    says how many; a large one keeps them all."""
+    batch = prompts(6, lo=100, hi=150, seed=12)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for gib, evicting in ((0.0004, True), (0.01, False)):
+        llm = LLM(str(tiny), **(TIER | dict(host_kv_gib=gib)))
+        for ids in batch:
+            llm.generate([ids], params)
+        evictions = llm.engine.stats.kv_totals["prefix_evictions"]
+        assert (evictions > 0) == evicting, (gib, evictions)
