@@ -2,7 +2,7 @@
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
-#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [pd-bench]
+#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-bench]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -116,6 +116,20 @@ for stage in $stages; do
         --max-tokens 32 -- --kv-mode oasis --host-kv-gib 48 --draft ngram --guardrail-rate 0.1 \
         2>&1 | tee "$OUT/metrics.log" | tail -40
       summary+=("metrics: $(tail -1 "$OUT/metrics.log")") ;;
+    tp)  # 2 GPUs: TP = 2 vs 1 greedy tokens (NCCL, graphs per rank), then Qwen3-8B and Qwen3-30B-A3B
+      # at 32K, max batch, dense and tiered (EMULATED host), one GPU vs two
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_tensor_parallel.py 2>&1 \
+        | tee "$OUT/tp_tests.log" | tail -5
+      summary+=("tp tests: $(tail -1 "$OUT/tp_tests.log")")
+      for model in ${TP_MODELS:-qwen3-8b qwen3-30b-a3b}; do
+        for size in 1 2; do
+          BENCH_MODEL=$model bench "tp$size-$model-dense" --context-lens 32768 --concurrency max \
+            --output-lens 32 --tensor-parallel-size "$size"
+          BENCH_MODEL=$model bench "tp$size-$model-oasis" --context-lens 32768 --concurrency max \
+            --output-lens 32 --max-num-seqs 128 --tensor-parallel-size "$size" --kv-mode oasis \
+            --host-kv-gib 16 --emulated-host-gib 700 --draft ngram
+        done
+      done ;;
     pd-bench)  # 2 GPUs: one node vs a prefill worker (GPU 1) + decode worker (GPU 0), prompt KV over
       # NIXL; PD_REQUESTS (default 32) concurrent 32K prompts, 64 tokens each
       need fastapi uvicorn pydantic httpx nixl-cu13

@@ -244,3 +244,35 @@ def test_every_rank_builds_the_harness_backend(tmp_path):
         assert _tokens(two, batch) == want
     finally:
         two.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_mode", ["dense", "oasis"])
+@pytest.mark.parametrize("model", ["fixture", "qwen3-moe"])
+def test_two_gpus_give_one_gpus_greedy_tokens(tmp_path, fixtures_path, kv_mode, model):
+    """NCCL on two GPUs, CUDA graphs captured on each rank: the fixture target and a tiny
+    Qwen3-MoE decode one GPU's greedy tokens, dense and tiered (K covering every block, lookahead
+    prefetch). Needs a machine with two GPUs."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    path = (fixtures_path / "target" if model == "fixture"
+            else write_tiny_checkpoint(tmp_path / model, model))
+    batch = prompts(6, seed=9)
+    kw = dict(dtype="float32") | (dict(kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0,
+                                       host_kv_gib=0.05, draft="ngram")
+                                  if kv_mode == "oasis" else {})
+    one = LLM(str(path), **kw)
+    assert one.engine.runner.graphs is not None
+    want = _tokens(one, batch)
+    one.close()
+    del one  # (its pool and graphs give the GPU back before rank 0 sizes its own)
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    two = LLM(str(path), tensor_parallel_size=2, **kw)
+    try:
+        assert two.engine.runner.graphs is not None
+        assert _tokens(two, batch) == want
+    finally:
+        two.close()
