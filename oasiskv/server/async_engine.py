@@ -164,7 +164,7 @@ class AsyncEngine:
                                param="prompt")
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
-                     max_tokens: int | None) -> RequestHandle:
+                     max_tokens: int | None, arrival_time: float | None = None) -> RequestHandle:
         """Start ``len(prompts) * len(params)`` engine requests, all or none.
 
         ``prompts``: token ids that passed ``check_prompts`` with this ``max_tokens``. ``params[j]``
@@ -173,6 +173,8 @@ class AsyncEngine:
         the prompt when ``max_tokens`` is None. Raises ``APIError``: 400 when ``n`` exceeds what
         the server ever admits (or the engine refuses a prompt), 503 when more than
         ``max_waiting`` engine requests would be unfinished or the server is shutting down.
+        ``arrival_time`` (``time.monotonic``, default now): where TTFT and latency start, e.g.
+        before a disaggregated decode worker brought the prompt's KV in.
         """
         count = len(prompts) * len(params)
         if not self.healthy:
@@ -189,7 +191,8 @@ class AsyncEngine:
         for i, rid in enumerate(handle.request_ids):
             self._routes[rid] = (handle, i)
         reply = self._loop.create_future()
-        self._commands.put(_Add(handle.request_ids, prompts, params, max_tokens, reply))
+        self._commands.put(_Add(handle.request_ids, prompts, params, max_tokens, reply,
+                                arrival_time or time.monotonic()))
         try:
             handle.prompt_token_ids = await reply
         except BaseException:  # refused, or the client left while waiting: nothing may stay queued

@@ -192,6 +192,7 @@ class OpenAIServing:
 
     # ---- /v1/completions -----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
         n = self._check(req)
         prompts = _prompts(req.prompt)
         max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
@@ -199,7 +200,7 @@ class OpenAIServing:
             raise APIError(400, f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
         params = self._params(req, n, req.logprobs, req.logprobs if req.echo else None)
         handle = await self.engine.submit(await self._prompt_ids(prompts, max_tokens), params,
-                                          max_tokens)
+                                          max_tokens, arrival)
         job = _CompletionJob(self, req, n, max_tokens, handle, prompts, f"cmpl-{uuid.uuid4().hex}")
         if req.stream:
             return _EventStream(job.chunks(), handle)
@@ -207,6 +208,7 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
         n = self._check(req)
         try:
             prompt = render_chat(self.tokenizer, [m.as_dict() for m in req.messages])
@@ -229,7 +231,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, n, logprobs)
         handle = await self.engine.submit(await self._prompt_ids([prompt], max_tokens), params,
-                                          max_tokens)
+                                          max_tokens, arrival)
         job = _ChatJob(self, req, n, handle, f"chatcmpl-{uuid.uuid4().hex}")
         if req.stream:
             return _EventStream(job.chunks(), handle)

@@ -156,6 +156,9 @@ def test_a_silent_prefill_worker_stalls_only_its_prompt(tmp_path, fixtures_path)
         assert len(during) > 20 and max(gaps) < 1.5, (len(during), max(gaps, default=None))
         m = decode.metrics()  # its KV came from the real worker
         assert m["oasiskv_pd_blocks_imported_total"] == (len(ids) - 1) // BLOCK
+        # its time to first token counts the wait for its KV (the stream was aborted: not counted)
+        assert m["oasiskv_time_to_first_token_seconds_count"] == 1
+        assert m["oasiskv_time_to_first_token_seconds_sum"] >= 3.0
         body = httpx.get(decode.url + "/metrics").text
         assert f'oasiskv_pd_prefill_worker_up{{url="{silent_url}"}} 0.0' in body
         assert text == answer(complete(real, ids))[0]  # (a prefill worker serves the API too)
