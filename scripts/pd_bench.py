@@ -64,9 +64,16 @@ class Server:
             time.sleep(1)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+        """Samples by name, summed over labels but ``le`` (a histogram bucket: ``name{le}``)."""
+        totals: dict[str, float] = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name, value = line.split("{")[0].split()[0], float(line.split()[-1])
+            if 'le="' in line:
+                name += "{" + line.split('le="')[1].split('"')[0] + "}"
+            totals[name] = totals.get(name, 0.0) + value
+        return totals
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -86,7 +93,7 @@ def _histogram_p99(m: dict[str, float], name: str) -> float | None:
     count = m.get(f"{name}_count", 0)
     if not count:
         return None
-    buckets = sorted((float(k.split('le="')[1].rstrip('"}')), v) for k, v in m.items()
+    buckets = sorted((float(k.split("{")[1].rstrip("}")), v) for k, v in m.items()
                      if k.startswith(f"{name}_bucket{{") and "+Inf" not in k)
     return next((le for le, v in buckets if v >= 0.99 * count), float("inf"))
 

@@ -33,11 +33,12 @@ prompt waiting for its KV never holds up the engine, which keeps stepping the ot
 already admitted never depend on a prefill worker again (their KV is local), so its failure ends
 no running request.
 
-/metrics (decode worker): ``oasiskv_pd_admission_bytes`` (bytes read at admission),
-``oasiskv_pd_blocks_imported`` / ``oasiskv_pd_blocks_reused`` (read, or already held),
-``oasiskv_pd_remote_reads`` / ``oasiskv_pd_remote_read_failures`` (NIXL transfers),
-``oasiskv_pd_remote_read_seconds`` (histogram), ``oasiskv_pd_prefill_worker_up{url}``; (prefill
-worker) ``oasiskv_pd_leases`` and ``oasiskv_pd_blocks_exported``.
+/metrics (decode worker, each labelled ``worker`` = the prefill worker's URL):
+``oasiskv_pd_admission_bytes`` (bytes read at admission), ``oasiskv_pd_blocks_imported`` /
+``oasiskv_pd_blocks_reused`` (read, or already held), ``oasiskv_pd_remote_reads`` /
+``oasiskv_pd_remote_read_failures`` (NIXL transfers), ``oasiskv_pd_remote_read_seconds``
+(histogram), and ``oasiskv_pd_prefill_worker_up{url}``; (prefill worker) ``oasiskv_pd_leases``
+and ``oasiskv_pd_blocks_exported``.
 """
 from __future__ import annotations
 
@@ -164,26 +165,32 @@ class DecodeRouter:
         self._client: httpx.AsyncClient | None = None
         self._probe: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        by_worker = ["worker"]  # every counter per prefill worker (its URL)
         self._bytes = Counter("oasiskv_pd_admission_bytes",
                               "Bytes of prompt KV read from prefill workers at admission",
-                              registry=registry)
+                              by_worker, registry=registry)
         self._imported = Counter("oasiskv_pd_blocks_imported",
-                                 "Host blocks read from prefill workers", registry=registry)
+                                 "Host blocks read from prefill workers", by_worker,
+                                 registry=registry)
         self._reused = Counter("oasiskv_pd_blocks_reused",
                                "Offered host blocks this decode host already held (same prefix)",
-                               registry=registry)
+                               by_worker, registry=registry)
         self._reads = Counter("oasiskv_pd_remote_reads", "NIXL transfers from prefill workers",
-                              registry=registry)
+                              by_worker, registry=registry)
         self._failures = Counter("oasiskv_pd_remote_read_failures",
-                                 "NIXL transfers that failed or timed out", registry=registry)
+                                 "NIXL transfers that failed or timed out", by_worker,
+                                 registry=registry)
         self._latency = Histogram("oasiskv_pd_remote_read_seconds",
-                                  "A NIXL transfer from its start to its completion",
+                                  "A NIXL transfer from its start to its completion", by_worker,
                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                                            0.25, 0.5, 1.0, 2.5), registry=registry)
         self._up = Gauge("oasiskv_pd_prefill_worker_up", "1 while a prefill worker is in use",
                          ["url"], registry=registry)
-        for w in self.workers:
+        for w in self.workers:  # every series present from the start, at 0
             self._up.labels(w.url).set(1)
+            for family in (self._bytes, self._imported, self._reused, self._reads,
+                           self._failures, self._latency):
+                family.labels(w.url)
 
     def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
@@ -251,8 +258,8 @@ class DecodeRouter:
                 await self.bridge.call(lambda: self.exchange.abort_import(imp))
                 raise
             await self.bridge.call(lambda: self.exchange.finish_import(imp))
-            self._imported.inc(len(imp.missing))
-            self._reused.inc(len(imp.blocks) - len(imp.missing))
+            self._imported.labels(worker.url).inc(len(imp.missing))
+            self._reused.labels(worker.url).inc(len(imp.blocks) - len(imp.missing))
         finally:
             self._spawn(self._release(worker, lease))
 
@@ -260,17 +267,17 @@ class DecodeRouter:
         """Whole blocks ``src`` of ``worker`` into local ``dst``, one transfer (counted here: the
         reader's own totals mix the reads other prompts have in flight)."""
         start = time.monotonic()
-        self._reads.inc()
+        self._reads.labels(worker.url).inc()
         try:
             transfer = self.reader.read(worker.peer, src, dst)
             while not transfer.done():
                 transfer.check_deadline()
                 await asyncio.sleep(_POLL_S)
         except BaseException:
-            self._failures.inc()
+            self._failures.labels(worker.url).inc()
             raise
-        self._latency.observe(time.monotonic() - start)
-        self._bytes.inc(len(src) * self.exchange.block_bytes)
+        self._latency.labels(worker.url).observe(time.monotonic() - start)
+        self._bytes.labels(worker.url).inc(len(src) * self.exchange.block_bytes)
 
     async def _release(self, worker: _Worker, lease: str) -> None:
         try:

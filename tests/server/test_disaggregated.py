@@ -42,6 +42,16 @@ def answer(resp: httpx.Response) -> tuple[str, list[str]]:
     return choice["text"], choice["logprobs"]["tokens"]
 
 
+def pd_metrics(server: ServerProcess) -> dict[str, float]:
+    """/metrics samples by name, the labelled ones (per prefill worker) summed."""
+    totals: dict[str, float] = {}
+    for line in httpx.get(server.url + "/metrics", timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split()[0], float(line.split()[-1])
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
 def block_bytes(fixtures_path) -> int:
     """K and V of one host block, every layer and kv head, float32."""
     cfg = json.loads((fixtures_path / "target" / "config.json").read_text())
@@ -74,7 +84,7 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
         # bytes read = the complete blocks before each prompt's last token, the shared 9 once
         blocks = [(len(ids) - 1) // BLOCK for ids in prompts]
         assert blocks == [9, 13, 6, 2]
-        m = decode.metrics()
+        m = pd_metrics(decode)
         assert m["oasiskv_pd_blocks_reused_total"] == 9
         assert m["oasiskv_pd_blocks_imported_total"] == sum(blocks) - 9
         assert m["oasiskv_pd_admission_bytes_total"] == (sum(blocks) - 9) * block_bytes(
@@ -154,13 +164,26 @@ def test_a_silent_prefill_worker_stalls_only_its_prompt(tmp_path, fixtures_path)
         during = [t for t in arrivals if start <= t <= start + held]
         gaps = [b - a for a, b in zip(during, during[1:])]
         assert len(during) > 20 and max(gaps) < 1.5, (len(during), max(gaps, default=None))
-        m = decode.metrics()  # its KV came from the real worker
+        m = pd_metrics(decode)  # its KV came from the real worker
         assert m["oasiskv_pd_blocks_imported_total"] == (len(ids) - 1) // BLOCK
         # its time to first token counts the wait for its KV (the stream was aborted: not counted)
         assert m["oasiskv_time_to_first_token_seconds_count"] == 1
         assert m["oasiskv_time_to_first_token_seconds_sum"] >= 3.0
         body = httpx.get(decode.url + "/metrics").text
         assert f'oasiskv_pd_prefill_worker_up{{url="{silent_url}"}} 0.0' in body
+
+        # a prompt that extends it: the prefill worker prefills only what follows the 5 complete
+        # blocks it has cached (their summaries with them), the decode worker reads only the rest
+        longer = ids + random.Random(10).sample(range(5, 4000), 40)
+        before = pd_metrics(real)["oasiskv_prompt_tokens_total"]
+        assert answer(complete(decode, longer))[0] == answer(complete(real, longer))[0]
+        after = pd_metrics(real)["oasiskv_prompt_tokens_total"]
+        shared = (len(ids) - 1) // BLOCK * BLOCK
+        # (its own answer above prefilled the whole prompt's last block again: cached but the last)
+        assert after - before == (len(longer) - shared) + (len(longer) - (len(longer) - 1)
+                                                           // BLOCK * BLOCK)
+        m = pd_metrics(decode)
+        assert m["oasiskv_pd_blocks_reused_total"] == (len(ids) - 1) // BLOCK
         assert text == answer(complete(real, ids))[0]  # (a prefill worker serves the API too)
     finally:
         for s in servers:
