@@ -16,6 +16,8 @@ the API key when one is set):
   ``lease_s`` seconds and answers ``{"lease": id, "blocks": [host block ids, in chain order]}``.
 - ``POST /v1/kv/release`` ``{"lease": id}``: lets them go (an expired lease goes by itself).
 
+At most ``--max-waiting`` leases are held at once (503 beyond). It serves the OpenAI routes too.
+
 Between leases the blocks stay in its host store as cached prefix blocks (LRU), so a later prompt
 with the same prefix prefills only the rest there too.
 
@@ -106,6 +108,10 @@ class PrefillService:
     async def prefill(self, prompt_token_ids: list[int]) -> dict:
         ids = list(prompt_token_ids)
         self.bridge.check_prompts([ids], 1)
+        if len(self.leases) >= self.bridge.max_waiting:  # held blocks are host memory: bounded
+            raise APIError(503, f"{len(self.leases)} prompt KV leases are held (limit "
+                                f"{self.bridge.max_waiting}, --max-waiting); retry later",
+                           code="overloaded", headers={"Retry-After": "1"})
         handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1, temperature=0.0)], 1)
         try:
             async for _ in handle.outputs():

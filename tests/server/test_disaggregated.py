@@ -198,3 +198,30 @@ def test_roles_refuse_what_they_cannot_do(tmp_path, fixtures_path):
                            (("--prefill-url", "http://127.0.0.1:1"), "is for --role decode")]:
         with pytest.raises(RuntimeError, match=message):
             ServerProcess(tmp_path / "bad.log", target, "--dtype", "float32", *flags)
+
+
+def test_a_prefill_worker_bounds_its_leases(tmp_path, fixtures_path):
+    """Held prompt blocks are host memory: at most --max-waiting leases at once (an OpenAI-shaped
+    503 beyond), released ones free their place; a bad prompt is a 400."""
+    from tests.server.server_process import assert_openai_error
+    worker = ServerProcess(tmp_path / "prefill.log", str(fixtures_path / "target"), *FLAGS,
+                           "--role", "prefill", "--max-waiting", "1")
+    try:
+        ids = list(range(5, 60))
+        first = httpx.post(worker.url + "/v1/kv/prefill", json={"prompt_token_ids": ids},
+                           timeout=60)
+        assert first.status_code == 200 and len(first.json()["blocks"]) == 54 // BLOCK
+        second = httpx.post(worker.url + "/v1/kv/prefill", json={"prompt_token_ids": ids},
+                            timeout=60)
+        assert assert_openai_error(second, 503)["code"] == "overloaded"
+        assert second.headers["retry-after"] == "1"
+        released = httpx.post(worker.url + "/v1/kv/release", json={"lease": first.json()["lease"]})
+        assert released.json() == {"released": True}
+        third = httpx.post(worker.url + "/v1/kv/prefill", json={"prompt_token_ids": ids},
+                           timeout=60)
+        assert third.status_code == 200 and third.json()["blocks"] == first.json()["blocks"]
+        assert worker.metrics()["oasiskv_pd_leases"] == 1
+        bad = httpx.post(worker.url + "/v1/kv/prefill", json={"prompt_token_ids": [10**9]})
+        assert_openai_error(bad, 400, "prompt")
+    finally:
+        worker.stop()
