@@ -71,13 +71,16 @@ class KVExchange:
         return Import(hashes, cached + fresh, list(range(len(cached), len(hashes))))
 
     def finish_import(self, imp: Import) -> None:
-        """The missing blocks' bytes are in: summarise them, name each by its hash, let go."""
-        if imp.missing:
-            fresh = [imp.blocks[i] for i in imp.missing]
-            self.kv.summarise(torch.tensor(fresh, dtype=torch.long, device=self.kv.device))
-            for i in imp.missing:
-                self.allocator.register(imp.blocks[i], imp.hashes[i])
-        self.allocator.release(imp.blocks)
+        """The missing blocks' bytes are in: summarise them, name each by its hash, let go (let go
+        in any case: a failure leaves the fresh blocks unnamed, never held)."""
+        try:
+            if imp.missing:
+                fresh = [imp.blocks[i] for i in imp.missing]
+                self.kv.summarise(torch.tensor(fresh, dtype=torch.long, device=self.kv.device))
+                for i in imp.missing:
+                    self.allocator.register(imp.blocks[i], imp.hashes[i])
+        finally:
+            self.allocator.release(imp.blocks)
 
     def abort_import(self, imp: Import) -> None:
         """Let go of an import whose bytes did not arrive (its fresh blocks stay unnamed)."""
