@@ -2,7 +2,7 @@
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
-#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-bench]
+#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-smoke] [pd-bench]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -130,6 +130,14 @@ for stage in $stages; do
             --host-kv-gib 16 --emulated-host-gib 700 --draft ngram
         done
       done ;;
+    pd-smoke)  # 1 GPU: the disaggregated path on CUDA, both workers sharing the GPU (0.4 of its memory
+      # each), 8 x 8K prompts; carry .whl (NIXL and the server packages) without the fixtures
+      need fastapi uvicorn pydantic httpx nixl-cu13
+      python3 scripts/pd_bench.py "${BENCH_MODEL:-qwen3-8b}" --context 8192 --requests 8 --max-tokens 32 \
+        --prefill-gpu 0 --decode-gpu 0 --prefill-flags "--gpu-memory-utilization 0.4" -- \
+        --kv-mode oasis --host-kv-gib 24 --draft ngram --gpu-memory-utilization 0.8 2>&1 \
+        | tee "$OUT/pd_smoke.log" | grep -v '^{' | tail -6
+      summary+=("pd-smoke: $(tail -1 "$OUT/pd_smoke.log" | cut -c1-300)") ;;
     pd-bench)  # 2 GPUs: one node vs a prefill worker (GPU 1) + decode worker (GPU 0), prompt KV over
       # NIXL; PD_REQUESTS (default 32) concurrent 32K prompts, 64 tokens each
       need fastapi uvicorn pydantic httpx nixl-cu13

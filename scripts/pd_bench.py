@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import socket
 import subprocess
 import sys
@@ -160,6 +161,11 @@ def main() -> int:
                                                             "worker (default: inherited)")
     parser.add_argument("--decode-gpu", default=None, help="... of the decode worker and the "
                                                            "single node (default: inherited)")
+    parser.add_argument("--prefill-flags", default="",
+                        help="more serve flags for the prefill worker only (e.g. its share of a "
+                             "GPU both workers use: --gpu-memory-utilization counts the other "
+                             "process's memory as used, so the worker started second, the "
+                             "decode worker, asks for both shares)")
     parser.add_argument("--setups", default="single,pd", help="which setups to run, in order")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
@@ -170,7 +176,8 @@ def main() -> int:
             if setup == "single":
                 servers.append(Server(args, extra, args.decode_gpu))
             elif setup == "pd":
-                prefill = Server(args, extra, args.prefill_gpu, "--role", "prefill")
+                prefill = Server(args, extra, args.prefill_gpu, "--role", "prefill",
+                                 *shlex.split(args.prefill_flags))
                 servers.append(prefill)
                 servers.append(Server(args, extra, args.decode_gpu, "--role", "decode",
                                       "--prefill-url", prefill.url))
