@@ -185,7 +185,8 @@ class LLMEngine:
         with the model's top alternatives. The engine goes on from the forced token."""
         batch = self.scheduler.schedule()
         self.stats.kv_samples = {}  # (a failing step observes nothing)
-        if batch is None:
+        if batch is None:  # (nothing runnable now, e.g. every free block held)
+            self.stats.last_batch_size = 0
             return []
         start = time.perf_counter()
         want = None if forced is None else [forced.get(s.request_id) for s in batch.seqs]

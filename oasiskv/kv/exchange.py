@@ -13,12 +13,19 @@ hashes and lets go of every hold: the request added right after finds the whole 
 prefix cache and prefills only the rest (less than a block and the last token). If the blocks were
 evicted before it was admitted (only when the host store is short), it prefills them itself: a cost,
 never a wrong token. ``abort_import`` lets go without naming anything.
+
+Holds are bounded: at most ``MAX_HELD_SHARE`` of the host store is held for exchanges at once, so
+moving KV never starves the engine's own requests of blocks; past it an export offers nothing and
+an import is refused (the prompt is then prefilled where it is).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+#: the most of a host store's blocks that exchanges may hold at once
+MAX_HELD_SHARE = 0.5
 
 
 @dataclass
@@ -43,6 +50,10 @@ class KVExchange:
             raise ValueError("moving prompt KV between engines needs prefix sharing, which a "
                              "drafter reading every prompt token's features (EAGLE-3) turns off")
         self.allocator, self.kv = allocator, backend.kv
+        self.max_held = int(MAX_HELD_SHARE * allocator.num_total_blocks)
+
+    def _room(self, n: int) -> bool:
+        return sum(self.allocator.held.values()) + n <= self.max_held
 
     @property
     def block_bytes(self) -> int:
@@ -51,8 +62,12 @@ class KVExchange:
 
     def export(self, token_ids: list[int]) -> list[int]:
         """Hold the host blocks of ``token_ids``' complete prefix that this store has (in chain
-        order, the longest leading run); ``release`` them when read."""
-        return self.allocator.hold_cached(self.allocator.prompt_hashes(token_ids))
+        order, the longest leading run; none past the bound on holds); ``release`` them when
+        read."""
+        hashes = self.allocator.prompt_hashes(token_ids)
+        if not self._room(len(hashes)):
+            return []
+        return self.allocator.hold_cached(hashes)
 
     def release(self, blocks: list[int]) -> None:
         self.allocator.release(blocks)
@@ -60,8 +75,12 @@ class KVExchange:
     def begin_import(self, token_ids: list[int], offered: int) -> Import:
         """Hold a host block for each of the first ``offered`` complete blocks of ``token_ids``:
         the cached one where this store has it, else a fresh one to read into. Raises
-        ``RuntimeError`` (nothing held) when the store has too few free blocks."""
+        ``RuntimeError`` (nothing held) when the store has too few free blocks or the holds
+        would pass their bound."""
         hashes = self.allocator.prompt_hashes(token_ids)[:offered]
+        if not self._room(len(hashes)):
+            raise RuntimeError(f"exchanges hold {sum(self.allocator.held.values())} host blocks "
+                               f"(at most {self.max_held}): no room for {len(hashes)} more")
         cached = self.allocator.hold_cached(hashes)
         try:
             fresh = self.allocator.hold_new(len(hashes) - len(cached))

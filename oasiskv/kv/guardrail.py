@@ -112,6 +112,7 @@ class Guardrail:
         """Measure this step's sampled rows (on the side stream on CUDA, without waiting for it);
         returns the samples of the measurements finished by now (on CPU, this one)."""
         picked, self._picked = self._picked, []
+        done = self._collect(wait=False)  # (finished ones leave room first)
         if picked and not self.every_layer and len(self._pending) >= MAX_PENDING:
             self._dropped += len(picked)
         elif picked:
@@ -120,12 +121,12 @@ class Guardrail:
             except Exception:  # noqa: BLE001
                 logger.exception("the guardrail's measurement failed; its samples are dropped")
                 self._dropped += len(picked)
-        return self._collect(wait=False)
+        return self._report(done + self._collect(wait=False))  # (on CPU: this one too)
 
     def drain(self) -> dict[str, list[float]]:
         """The samples of the measurements still running, waiting for them; {} when none.
         ``last`` then names their positions."""
-        return self._collect(wait=True)
+        return self._report(self._collect(wait=True))
 
     def take_dropped(self) -> int:
         """Samples dropped since the last call (``MAX_PENDING`` measurements in flight, or a
@@ -157,22 +158,26 @@ class Guardrail:
             event.record()
         self._pending.append((event, host, picked))
 
-    def _collect(self, wait: bool) -> dict[str, list[float]]:
-        """The samples of the finished measurements, oldest first (all of them when ``wait``)."""
-        values, picks = [], []
+    def _collect(self, wait: bool) -> list[tuple[tuple, list[float]]]:
+        """(pick, [recall, error, agreement]) of the finished measurements, oldest first (all of
+        them when ``wait``)."""
+        done = []
         while self._pending and (wait or self._pending[0][0] is None
                                  or self._pending[0][0].query()):
             event, results, picked = self._pending.popleft()
             if event is not None:
                 event.synchronize()
-            values += results.tolist()
-            picks += picked
-        if not picks:
+            done += zip(picked, results.tolist())
+        return done
+
+    def _report(self, done: list[tuple[tuple, list[float]]]) -> dict[str, list[float]]:
+        """The samples of ``done`` by histogram; ``last`` names their positions."""
+        if not done:
             return {}
-        self.last = [(p[2], p[3], p[1], r, e) for p, (r, e, _) in zip(picks, values)]
-        return {"guardrail_recall": [r for r, _, _ in values],
-                "guardrail_rel_error": [e for _, e, _ in values],
-                "guardrail_topk_agreement": [a for _, _, a in values if a >= 0]}
+        self.last = [(p[2], p[3], p[1], r, e) for p, (r, e, _) in done]
+        return {"guardrail_recall": [r for _, (r, _, _) in done],
+                "guardrail_rel_error": [e for _, (_, e, _) in done],
+                "guardrail_topk_agreement": [a for _, (_, _, a) in done if a >= 0]}
 
     def _exact(self, picked: list, q: torch.Tensor, maps: torch.Tensor,
                tables: list[torch.Tensor]) -> torch.Tensor:

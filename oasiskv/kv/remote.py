@@ -11,7 +11,9 @@ process's CPU does no work per read. A unit is one block at one layer (all kv he
 layer); ``read`` turns any number of units into one NIXL transfer (K, V and scales descriptors
 side by side), so the misses of a layer across requests cost one transfer. Every transfer has a
 deadline: ``Transfer.wait`` raises ``TimeoutError`` past it (a stopped or slow peer) and
-``RemoteReadError`` when the transfer fails (a dead peer), and releases it either way. A reader
+``RemoteReadError`` when the transfer fails (a dead peer, NIXL's own errors), and cancels it
+either way; until NIXL agrees to the cancel (``Transfer.settled``) its destination may still be
+written. A descriptor is JSON (data only). A reader
 counts what it moves (``ReadStats``: transfers, bytes, units, failures and each completed
 transfer's latency) for /metrics.
 
@@ -21,8 +23,9 @@ set: where system InfiniBand providers exist but no device, UCX's ib module cras
 """
 from __future__ import annotations
 
+import base64
+import json
 import os
-import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -86,44 +89,73 @@ class RemoteStore:
         self._registered = self.agent.register_memory(_regions(store))
 
     def descriptor(self) -> bytes:
-        """What a ``RemoteReader.connect`` needs (bytes: send it over any channel)."""
+        """What a ``RemoteReader.connect`` needs: JSON bytes (data only, safe to take from any
+        channel), the agent's metadata base64."""
         regions = _regions(self.store)
-        return pickle.dumps({"metadata": self.agent.get_agent_metadata(), "name": self.name,
-                             "addrs": [t.data_ptr() for t in regions],
-                             "shape": tuple(self.store.k.shape), "dtype": str(self.store.k.dtype)})
+        return json.dumps({"metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                           "name": self.name, "addrs": [t.data_ptr() for t in regions],
+                           "shape": list(self.store.k.shape),
+                           "dtype": str(self.store.k.dtype)}).encode()
 
     def close(self) -> None:
         self.agent.deregister_memory(self._registered)
 
 
 class Transfer:
-    """One NIXL transfer in flight (``RemoteReader.read``)."""
+    """One NIXL transfer in flight (``RemoteReader.read``).
+
+    Its destination blocks may still be written until it is ``settled``: completed, failed, or
+    cancelled with NIXL's consent. A caller that gives up on it (a deadline) must keep them out of
+    use until then (``cancel`` again, or poll ``done``)."""
 
     def __init__(self, agent, handle, peer: str, deadline: float, stats: ReadStats):
         self._agent, self._handle, self.peer, self.deadline = agent, handle, peer, deadline
         self._stats, self._start = stats, time.monotonic()
+        self._failed = False
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will be written into the destination."""
+        return self._handle is None
 
     def done(self) -> bool:
-        """Whether it completed (raises ``RemoteReadError`` if it failed)."""
+        """Whether it completed; raises ``RemoteReadError`` if it failed (NIXL's own errors too,
+        e.g. its peer removed)."""
         if self._handle is None:
+            if self._failed:
+                raise RemoteReadError(f"a read from {self.peer} failed")
             return True
-        state = self._agent.check_xfer_state(self._handle)
+        try:
+            state = self._agent.check_xfer_state(self._handle)
+        except Exception as exc:  # noqa: BLE001 (NIXL's error types)
+            state, why = "ERR", f": {type(exc).__name__}: {exc}"
+        else:
+            why = ""
         if state == "ERR":
-            self._release()
-            self._stats.failed += 1
-            raise RemoteReadError(f"a read from {self.peer} failed")
+            self._fail()
+            raise RemoteReadError(f"a read from {self.peer} failed{why}")
         if state == "DONE":
-            self._release()
+            self.cancel()  # (releases the finished handle)
             self._stats.latencies.append(time.monotonic() - self._start)
             return True
         return False
 
+    def cancel(self) -> bool:
+        """Release the transfer (aborting it if still running); whether it is ``settled`` now
+        (NIXL may refuse to abort a transfer in flight: then it keeps running)."""
+        if self._handle is not None:
+            try:
+                self._agent.release_xfer_handle(self._handle)
+            except Exception:  # noqa: BLE001 (NIXL refuses: still in flight)
+                return False
+            self._handle = None
+        return True
+
     def check_deadline(self) -> None:
-        """Raise ``TimeoutError`` (the transfer released and counted as failed) once past its
-        deadline; for callers that poll ``done`` themselves (e.g. from an event loop)."""
+        """Past its deadline: cancel it, count it failed, raise ``TimeoutError``; for callers
+        that poll ``done`` themselves (e.g. from an event loop)."""
         if self._handle is not None and time.monotonic() > self.deadline:
-            self._release()
-            self._stats.failed += 1
+            self._fail()
             raise TimeoutError(f"a read from {self.peer} did not complete in time")
 
     def wait(self) -> None:
@@ -133,10 +165,11 @@ class Transfer:
             self.check_deadline()
             time.sleep(0)
 
-    def _release(self) -> None:
-        if self._handle is not None:
-            self._agent.release_xfer_handle(self._handle)
-            self._handle = None
+    def _fail(self) -> None:
+        if not self._failed:
+            self._failed = True
+            self._stats.failed += 1
+        self.cancel()
 
 
 class RemoteReader:
@@ -154,13 +187,21 @@ class RemoteReader:
     def connect(self, descriptor: bytes) -> str:
         """Add a peer from its ``RemoteStore.descriptor()``; returns its name. Its layout must be
         the local store's but for the number of blocks."""
-        d = pickle.loads(descriptor)
-        if tuple(d["shape"][1:]) != tuple(self.local.k.shape[1:]) or (
+        try:
+            d = json.loads(descriptor)
+            metadata = base64.b64decode(d["metadata"])
+            addrs, shape = [int(a) for a in d["addrs"]], [int(s) for s in d["shape"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"not a KV store descriptor: {type(exc).__name__}: {exc}") from None
+        if tuple(shape[1:]) != tuple(self.local.k.shape[1:]) or (
                 d["dtype"] != str(self.local.k.dtype)):
             raise ValueError(f"peer {d['name']} stores {d['dtype']} {tuple(d['shape'])}, this "
                              f"reader {self.local.k.dtype} {tuple(self.local.k.shape)}")
-        name = self.agent.add_remote_agent(d["metadata"])
-        self.peers[name] = _Peer(tuple(d["addrs"]), d["shape"][0])
+        if len(addrs) != len(_regions(self.local)):
+            raise ValueError(f"peer {d.get('name')} has {len(addrs)} regions, this reader "
+                             f"{len(_regions(self.local))} (FP8 scales on one side only?)")
+        name = self.agent.add_remote_agent(metadata)
+        self.peers[name] = _Peer(tuple(addrs), shape[0])
         return name
 
     def disconnect(self, peer: str) -> None:

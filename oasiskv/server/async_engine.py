@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds an overloaded server asks clients to wait before retrying (HTTP Retry-After)
 RETRY_AFTER_S = 1
+#: seconds the engine thread waits for a command after a step that ran nothing (no busy spin)
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -58,7 +60,8 @@ class _Abort:
 @dataclass
 class _Call:
     fn: Callable[[], object]
-    reply: asyncio.Future
+    reply: asyncio.Future | None  # None: nobody waits (an undo)
+    undo: Callable[[object], None] | None = None
 
 
 @dataclass
@@ -127,6 +130,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._idle = False  # engine thread: the last step ran nothing
 
     # ---- event-loop side -------------------------------------------------------------------------
     def start(self) -> None:
@@ -200,13 +204,16 @@ class AsyncEngine:
             raise
         return handle
 
-    async def call(self, fn: Callable[[], object]):
+    async def call(self, fn: Callable[[], object],
+                   undo: Callable[[object], None] | None = None):
         """Run ``fn()`` on the engine thread between two steps and return its result (or raise
-        its exception): the way to touch engine state (e.g. its KV allocator) from the loop."""
+        its exception): the way to touch engine state (e.g. its KV allocator) from the loop.
+        ``undo(result)`` runs on the engine thread instead when the caller stopped waiting (was
+        cancelled) before the result came back, so that nothing ``fn`` took is lost."""
         if not self.healthy:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         reply = self._loop.create_future()
-        self._commands.put(_Call(fn, reply))
+        self._commands.put(_Call(fn, reply, undo))
         return await reply
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -249,6 +256,12 @@ class AsyncEngine:
                     self.on_finished(item)
             handle._queue.put_nowait((index, item))
 
+    def _resolve_call(self, cmd: _Call, result) -> None:
+        if cmd.reply.done() and cmd.undo is not None and not isinstance(result, _Raised):
+            undo = cmd.undo  # the caller left: give back what it took
+            self._commands.put(_Call(lambda: undo(result), None))
+        self._resolve(cmd.reply, result)
+
     def _resolve(self, future: asyncio.Future, result) -> None:
         if not future.done():  # cancelled when the client left first
             failed = isinstance(result, (APIError, _Raised))
@@ -274,14 +287,22 @@ class AsyncEngine:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd, (_Add, _Call)):
+                if isinstance(cmd, (_Add, _Call)) and cmd.reply is not None:
                     self._post(self._resolve, cmd.reply,
                                APIError(503, "the server is shutting down"))
 
     def _serve_once(self) -> bool:
         """Apply pending commands (waiting for one when idle), then run one step. False on stop."""
         try:
-            commands = [] if self.engine.has_unfinished() else [self._commands.get()]
+            if not self.engine.has_unfinished():
+                commands = [self._commands.get()]
+            elif self._idle:  # unfinished work the scheduler cannot run yet (e.g. held blocks)
+                try:
+                    commands = [self._commands.get(timeout=IDLE_WAIT_S)]
+                except queue.Empty:
+                    commands = []
+            else:
+                commands = []
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -293,6 +314,7 @@ class AsyncEngine:
                 self._apply(cmd)
             if self.engine.has_unfinished():
                 outputs = self.engine.step()
+                self._idle = self.engine.stats.last_batch_size == 0
                 self.on_step(self.engine.stats)
                 self._live.difference_update(o.request_id for o in outputs if o.finished)
                 self._post(self._dispatch, [(o.request_id, o) for o in outputs])
@@ -308,8 +330,11 @@ class AsyncEngine:
             try:
                 result = cmd.fn()
             except Exception as exc:  # the caller's to handle
+                if cmd.reply is None:
+                    logger.exception("an engine-thread call failed")
                 result = _Raised(exc)
-            self._post(self._resolve, cmd.reply, result)
+            if cmd.reply is not None:
+                self._post(self._resolve_call, cmd, result)
             return
         if isinstance(cmd, _Abort):
             for rid in cmd.request_ids:

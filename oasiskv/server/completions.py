@@ -125,11 +125,12 @@ class OpenAIServing:
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _prompt_ids(self, prompts: list[str | list[int]],
-                          max_tokens: int | None) -> list[list[int]]:
+    async def _prompt_ids(self, prompts: list[str | list[int]], max_tokens: int | None,
+                          prefix_kv: bool = True) -> list[list[int]]:
         """Token ids of ``prompts``, checked for the engine (``AsyncEngine.check_prompts``), from
-        the tokenizer thread; with ``admit`` (disaggregated decode) their prefix KV is in the host
-        store when this returns."""
+        the tokenizer thread; with ``admit`` (disaggregated decode) and ``prefix_kv`` (false when
+        the request recomputes its prompt anyway, for prompt logprobs) their prefix KV is in the
+        host store when this returns."""
         def encode() -> list[list[int]]:
             if self._encoder is None and any(isinstance(p, str) for p in prompts):
                 raise APIError(400, "this model has no tokenizer: send prompts as token ids",
@@ -139,7 +140,7 @@ class OpenAIServing:
             self.engine.check_prompts(ids, max_tokens)
             return ids
         ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, encode)
-        if self.admit is not None:
+        if self.admit is not None and prefix_kv:
             await self.admit(ids)
         return ids
 
@@ -199,8 +200,8 @@ class OpenAIServing:
         if max_tokens < 0:
             raise APIError(400, f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
         params = self._params(req, n, req.logprobs, req.logprobs if req.echo else None)
-        handle = await self.engine.submit(await self._prompt_ids(prompts, max_tokens), params,
-                                          max_tokens, arrival)
+        ids = await self._prompt_ids(prompts, max_tokens, params[0].prompt_logprobs is None)
+        handle = await self.engine.submit(ids, params, max_tokens, arrival)
         job = _CompletionJob(self, req, n, max_tokens, handle, prompts, f"cmpl-{uuid.uuid4().hex}")
         if req.stream:
             return _EventStream(job.chunks(), handle)

@@ -88,6 +88,7 @@ class PrefillService:
         self.exchange = _exchange(bridge)
         self.store = RemoteStore(self.exchange.kv.host, _agent_name("prefill"))
         self.leases: dict[str, tuple[list[int], float]] = {}  # id -> (held blocks, expiry)
+        self._pending = 0  # prefills in flight, each to become a lease
         self._leases = Gauge("oasiskv_pd_leases", "Prompt KV leases held for decode workers",
                              registry=registry)
         self._exported = Counter("oasiskv_pd_blocks_exported",
@@ -108,17 +109,24 @@ class PrefillService:
     async def prefill(self, prompt_token_ids: list[int]) -> dict:
         ids = list(prompt_token_ids)
         self.bridge.check_prompts([ids], 1)
-        if len(self.leases) >= self.bridge.max_waiting:  # held blocks are host memory: bounded
-            raise APIError(503, f"{len(self.leases)} prompt KV leases are held (limit "
+        held = len(self.leases) + self._pending
+        if held >= self.bridge.max_waiting:  # held blocks are host memory: bounded
+            raise APIError(503, f"{held} prompt KV leases are held or being prefilled (limit "
                                 f"{self.bridge.max_waiting}, --max-waiting); retry later",
                            code="overloaded", headers={"Retry-After": "1"})
-        handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1, temperature=0.0)], 1)
+        self._pending += 1
         try:
-            async for _ in handle.outputs():
-                pass
+            handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
+                                                                     temperature=0.0)], 1)
+            try:
+                async for _ in handle.outputs():
+                    pass
+            finally:
+                handle.abort()  # (a no-op once finished)
+            blocks = await self.bridge.call(lambda: self.exchange.export(ids),
+                                            undo=self.exchange.release)
         finally:
-            handle.abort()  # (a no-op once finished)
-        blocks = await self.bridge.call(lambda: self.exchange.export(ids))
+            self._pending -= 1
         lease = uuid.uuid4().hex
         self.leases[lease] = (blocks, time.monotonic() + self.lease_s)
         self._leases.set(len(self.leases))
@@ -142,6 +150,12 @@ class PrefillService:
                     await self.release(lease)
                 except APIError:  # shutting down
                     return
+                except Exception:  # noqa: BLE001 (the loop must go on)
+                    logger.exception("releasing an expired lease failed")
+
+
+class _Busy(Exception):
+    """A prefill worker answered 503 / 429: full for now, not down."""
 
 
 @dataclass
@@ -212,17 +226,26 @@ class DecodeRouter:
         self.reader.close()
 
     async def admit(self, prompts: list[list[int]]) -> None:
-        """Bring in each prompt's complete prefix KV (raises ``APIError(503)`` when no prefill
-        worker can)."""
+        """Bring in each prompt's complete prefix KV. Raises ``APIError``: 503 when this server
+        is already full (before any prefill worker does work for it) or no prefill worker can
+        take a prompt, 400 for a prompt a worker refuses, 502 when a worker refuses this server
+        (e.g. a wrong API key)."""
+        if self.bridge.num_unfinished + len(prompts) > self.bridge.max_waiting:
+            raise APIError(503, f"the server is overloaded: {self.bridge.num_unfinished} requests "
+                                f"are queued or running (limit {self.bridge.max_waiting}); retry "
+                                "later", code="overloaded", headers={"Retry-After": "1"})
         for ids in prompts:
             if (len(ids) - 1) // self.exchange.allocator.block_size:
                 await self._admit(ids)
 
     async def _admit(self, ids: list[int]) -> None:
-        tried: list[str] = []
+        tried, busy = [], []
         while True:
             worker = min((w for w in self.workers if w.up and w.url not in tried),
                          key=lambda w: w.inflight, default=None)
+            if worker is None and busy:
+                raise APIError(503, f"every prefill worker is busy ({', '.join(busy)}); retry "
+                                    "later", code="overloaded", headers={"Retry-After": "1"})
             if worker is None:
                 raise APIError(503, "no prefill worker could take the prompt"
                                     + (f" (tried {', '.join(tried)})" if tried else
@@ -233,57 +256,105 @@ class DecodeRouter:
             try:
                 await self._admit_from(worker, ids)
                 return
+            except _Busy:
+                busy.append(worker.url)
             except (httpx.HTTPError, RemoteReadError, TimeoutError, ValueError) as exc:
                 self._mark_down(worker, exc)
             finally:
                 worker.inflight -= 1
 
+    async def _checked(self, worker: _Worker, resp: httpx.Response) -> dict:
+        """A prefill worker's answer as JSON: its 503 / 429 are ``_Busy`` (try another, it is
+        not down), its 400 the prompt's fault, another 4xx this server's (``APIError(502)``);
+        a 5xx raises ``httpx.HTTPStatusError`` (marked down)."""
+        if resp.status_code in (429, 503):
+            raise _Busy(worker.url)
+        if 400 <= resp.status_code < 500:
+            try:
+                message = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = resp.text[:200]
+            if resp.status_code == 400:  # the prompt itself (it passed this server's checks)
+                raise APIError(400, message, param="prompt")
+            logger.error("prefill worker %s refused this server: HTTP %d: %s", worker.url,
+                         resp.status_code, message)
+            raise APIError(502, f"prefill worker {worker.url} refused this server (HTTP "
+                                f"{resp.status_code}: {message})", code="prefill_refused")
+        resp.raise_for_status()
+        return resp.json()
+
     async def _admit_from(self, worker: _Worker, ids: list[int]) -> None:
         if worker.peer is None:
-            resp = await self._client.get(worker.url + "/v1/kv/descriptor")
-            resp.raise_for_status()
-            worker.peer = self.reader.connect(base64.b64decode(resp.json()["descriptor"]))
-        resp = await self._client.post(
+            d = await self._checked(worker, await self._client.get(worker.url
+                                                                   + "/v1/kv/descriptor"))
+            worker.peer = self.reader.connect(base64.b64decode(d["descriptor"]))
+        peer = worker.peer  # (a failure elsewhere may reset the worker's meanwhile)
+        answer = await self._checked(worker, await self._client.post(
             worker.url + "/v1/kv/prefill", json={"prompt_token_ids": ids},
-            timeout=httpx.Timeout(self.prefill_timeout_s, connect=self.timeout_s))
-        if resp.status_code == 400:  # the prompt itself (it passed this server's checks)
-            raise APIError(400, resp.json()["error"]["message"], param="prompt")
-        resp.raise_for_status()
-        lease, offered = resp.json()["lease"], resp.json()["blocks"]
+            timeout=httpx.Timeout(self.prefill_timeout_s, connect=self.timeout_s)))
+        lease, offered = answer["lease"], answer["blocks"]
         try:
             try:
-                imp = await self.bridge.call(lambda: self.exchange.begin_import(ids, len(offered)))
-            except RuntimeError as exc:  # this host store is full: the engine prefills it itself
+                imp = await self.bridge.call(lambda: self.exchange.begin_import(ids, len(offered)),
+                                             undo=self.exchange.abort_import)
+            except RuntimeError as exc:  # no room here: the engine prefills the prompt itself
                 logger.warning("no host blocks to import a prompt's KV into (%s)", exc)
                 return
+            if imp.missing:
+                await self._read(worker, peer, imp, [offered[i] for i in imp.missing])
             try:
-                if imp.missing:
-                    await self._read(worker, [offered[i] for i in imp.missing],
-                                     [imp.blocks[i] for i in imp.missing])
-            except BaseException:
-                await self.bridge.call(lambda: self.exchange.abort_import(imp))
-                raise
-            await self.bridge.call(lambda: self.exchange.finish_import(imp))
+                await self.bridge.call(lambda: self.exchange.finish_import(imp))
+            except Exception:  # noqa: BLE001 (APIError: shutting down)
+                logger.exception("importing a prompt's KV failed; the engine prefills it")
+                return
             self._imported.labels(worker.url).inc(len(imp.missing))
             self._reused.labels(worker.url).inc(len(imp.blocks) - len(imp.missing))
         finally:
             self._spawn(self._release(worker, lease))
 
-    async def _read(self, worker: _Worker, src: list[int], dst: list[int]) -> None:
-        """Whole blocks ``src`` of ``worker`` into local ``dst``, one transfer (counted here: the
-        reader's own totals mix the reads other prompts have in flight)."""
+    async def _read(self, worker: _Worker, peer: str, imp, src: list[int]) -> None:
+        """Blocks ``src`` of ``worker`` into the import's missing blocks, one transfer (counted
+        here: the reader's own totals mix the reads other prompts have in flight). On any
+        failure the import is given up, once nothing more can land in its blocks."""
         start = time.monotonic()
         self._reads.labels(worker.url).inc()
         try:
-            transfer = self.reader.read(worker.peer, src, dst)
+            transfer = self.reader.read(peer, src, [imp.blocks[i] for i in imp.missing])
+        except BaseException:
+            self._failures.labels(worker.url).inc()
+            await self.bridge.call(lambda: self.exchange.abort_import(imp))
+            raise
+        try:
             while not transfer.done():
                 transfer.check_deadline()
                 await asyncio.sleep(_POLL_S)
         except BaseException:
             self._failures.labels(worker.url).inc()
+            self._spawn(self._give_up(transfer, imp))
             raise
         self._latency.labels(worker.url).observe(time.monotonic() - start)
         self._bytes.labels(worker.url).inc(len(src) * self.exchange.block_bytes)
+
+    async def _give_up(self, transfer, imp) -> None:
+        """Abort an import whose transfer failed or ran late, once the transfer is settled (a
+        transfer NIXL could not cancel may still write into the import's blocks); one that never
+        settles keeps them held, rather than let them be written after reuse."""
+        deadline = time.monotonic() + 10 * self.timeout_s
+        while not transfer.settled:
+            try:
+                transfer.done()
+            except RemoteReadError:
+                pass
+            if not transfer.settled and not transfer.cancel():
+                if time.monotonic() > deadline:
+                    logger.error("a failed KV read never settled: %d host blocks stay held",
+                                 len(imp.blocks))
+                    return
+                await asyncio.sleep(0.01)
+        try:
+            await self.bridge.call(lambda: self.exchange.abort_import(imp))
+        except APIError:  # shutting down
+            pass
 
     async def _release(self, worker: _Worker, lease: str) -> None:
         try:
@@ -299,13 +370,9 @@ class DecodeRouter:
     def _mark_down(self, worker: _Worker, exc: BaseException) -> None:
         logger.warning("prefill worker %s marked down: %s: %s", worker.url,
                        type(exc).__name__, exc)
-        worker.up, worker.last_probe = False, time.monotonic()
-        if worker.peer is not None:  # a restarted worker has a new agent: connect afresh
-            try:
-                self.reader.disconnect(worker.peer)
-            except Exception:  # noqa: BLE001 (NIXL's own errors): the peer is gone either way
-                self.reader.peers.pop(worker.peer, None)
-            worker.peer = None
+        # connect afresh next time (a restarted worker has a new agent); the old peer stays known
+        # to the reader: other prompts may still be reading from it
+        worker.up, worker.last_probe, worker.peer = False, time.monotonic(), None
         self._up.labels(worker.url).set(0)
 
     async def _probe_loop(self) -> None:
@@ -322,3 +389,5 @@ class DecodeRouter:
                         logger.info("prefill worker %s is up again", w.url)
                 except httpx.HTTPError:
                     pass
+                except Exception:  # noqa: BLE001 (the loop must go on)
+                    logger.exception("probing prefill worker %s failed", w.url)

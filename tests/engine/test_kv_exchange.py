@@ -85,17 +85,28 @@ def test_a_prefix_the_decode_host_holds_is_not_read_again(tiny):
     dst.abort_import(imp)
 
 
-def test_a_full_host_store_refuses_with_nothing_held(tiny):
+def test_a_full_host_store_or_too_many_holds_refuse_with_nothing_held(tiny):
+    """An import needs free blocks, and exchanges may hold at most half of the store (an export
+    past that offers nothing): both refusals leave nothing held."""
     ids = prompts(1, lo=150, hi=151, seed=6)[0]
     decode = LLM(str(tiny), **TIER)
     dst = exchange(decode)
-    total = dst.allocator.num_total_blocks
-    hog = dst.allocator.hold_new(total - 2)
+    total, n = dst.allocator.num_total_blocks, (len(ids) - 1) // dst.allocator.block_size
+    assert dst.max_held == total // 2
+    hog = dst.allocator.hold_new(dst.max_held - 2)
+    with pytest.raises(RuntimeError, match=f"at most {dst.max_held}"):
+        dst.begin_import(ids, n)
+    decode.generate([ids], SamplingParams(max_tokens=1, temperature=0))  # its blocks cached
+    assert dst.export(ids) == []
+    dst.allocator.release(hog)
+    dst.max_held = 10 * total  # only the free blocks bound it now
+    hog = dst.allocator.hold_new(dst.allocator.num_free_blocks - 2)
     with pytest.raises(RuntimeError, match="exhausted"):
-        dst.begin_import(ids, (len(ids) - 1) // dst.allocator.block_size)
-    assert sum(dst.allocator.held.values()) == total - 2
+        dst.begin_import(prompts(1, lo=150, hi=151, seed=7)[0], n)
+    assert sum(dst.allocator.held.values()) == len(hog)
     dst.allocator.release(hog)
     dst.allocator.check_invariants([])
+    assert not dst.allocator.held
 
 
 def test_exchange_needs_the_tiered_path(tiny):

@@ -225,3 +225,43 @@ def test_a_prefill_worker_bounds_its_leases(tmp_path, fixtures_path):
         assert_openai_error(bad, 400, "prompt")
     finally:
         worker.stop()
+
+
+def test_a_busy_or_refusing_prefill_worker_is_not_marked_down(tmp_path, fixtures_path):
+    """A prefill worker at its lease bound answers 503: the decode worker says overloaded (503,
+    Retry-After) and keeps the worker up, and serves again once a lease is released. A worker
+    that refuses the decode worker's API key is a configuration error: 502, not a down worker."""
+    target = str(fixtures_path / "target")
+    key = {"Authorization": "Bearer k1"}
+    servers = []
+    try:
+        prefill = ServerProcess(tmp_path / "prefill.log", target, *FLAGS, "--role", "prefill",
+                                "--max-waiting", "1", "--api-key", "k1")
+        servers.append(prefill)
+        decode = ServerProcess(tmp_path / "decode.log", target, *FLAGS, "--role", "decode",
+                               "--prefill-url", prefill.url, "--api-key", "k1")
+        wrong = ServerProcess(tmp_path / "wrong.log", target, *FLAGS, "--role", "decode",
+                              "--prefill-url", prefill.url, "--api-key", "k2")
+        servers += [decode, wrong]
+        ids = list(range(5, 70))
+        held = httpx.post(prefill.url + "/v1/kv/prefill", json={"prompt_token_ids": ids},
+                          headers=key, timeout=60).json()["lease"]
+        body = {"prompt": ids, "max_tokens": 4, "temperature": 0}
+        busy = httpx.post(decode.url + "/v1/completions", json=body, headers=key, timeout=60)
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "overloaded"
+        assert busy.headers["retry-after"] == "1"
+        up = f'oasiskv_pd_prefill_worker_up{{url="{prefill.url}"}} 1.0'
+        assert up in httpx.get(decode.url + "/metrics").text
+        httpx.post(prefill.url + "/v1/kv/release", json={"lease": held}, headers=key)
+        assert httpx.post(decode.url + "/v1/completions", json=body, headers=key,
+                          timeout=60).status_code == 200
+        refused = httpx.post(wrong.url + "/v1/completions", json=body,
+                             headers={"Authorization": "Bearer k2"}, timeout=60)
+        assert refused.status_code == 502, refused.text
+        assert refused.json()["error"]["code"] == "prefill_refused"
+        assert "HTTP 401" in refused.json()["error"]["message"]
+        assert f'oasiskv_pd_prefill_worker_up{{url="{prefill.url}"}} 1.0' in httpx.get(
+            wrong.url + "/metrics").text
+    finally:
+        for s in servers:
+            s.stop()
