@@ -38,8 +38,9 @@ no running request.
 /metrics (decode worker, each labelled ``worker`` = the prefill worker's URL):
 ``oasiskv_pd_admission_bytes`` (bytes read at admission), ``oasiskv_pd_blocks_imported`` /
 ``oasiskv_pd_blocks_reused`` (read, or already held), ``oasiskv_pd_remote_reads`` /
-``oasiskv_pd_remote_read_failures`` (NIXL transfers), ``oasiskv_pd_remote_read_seconds``
-(histogram), and ``oasiskv_pd_prefill_worker_up{url}``; (prefill worker) ``oasiskv_pd_leases``
+``oasiskv_pd_remote_read_failures`` (NIXL transfers), ``oasiskv_pd_remote_read_seconds`` and
+``oasiskv_pd_remote_prefill_seconds`` (histograms: a read, a prefill worker's answer), and
+``oasiskv_pd_prefill_worker_up{url}``; (prefill worker) ``oasiskv_pd_leases``
 and ``oasiskv_pd_blocks_exported``.
 """
 from __future__ import annotations
@@ -204,12 +205,16 @@ class DecodeRouter:
                                   "A NIXL transfer from its start to its completion", by_worker,
                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                                            0.25, 0.5, 1.0, 2.5), registry=registry)
+        self._prefill = Histogram("oasiskv_pd_remote_prefill_seconds",
+                                  "A prefill worker's answer: its queue and the prompt's prefill",
+                                  by_worker, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                                                      5.0, 10.0, 30.0, 60.0), registry=registry)
         self._up = Gauge("oasiskv_pd_prefill_worker_up", "1 while a prefill worker is in use",
                          ["url"], registry=registry)
         for w in self.workers:  # every series present from the start, at 0
             self._up.labels(w.url).set(1)
             for family in (self._bytes, self._imported, self._reused, self._reads,
-                           self._failures, self._latency):
+                           self._failures, self._latency, self._prefill):
                 family.labels(w.url)
 
     def start(self) -> None:
@@ -289,9 +294,11 @@ class DecodeRouter:
                                                                    + "/v1/kv/descriptor"))
             worker.peer = self.reader.connect(base64.b64decode(d["descriptor"]))
         peer = worker.peer  # (a failure elsewhere may reset the worker's meanwhile)
+        start = time.monotonic()
         answer = await self._checked(worker, await self._client.post(
             worker.url + "/v1/kv/prefill", json={"prompt_token_ids": ids},
             timeout=httpx.Timeout(self.prefill_timeout_s, connect=self.timeout_s)))
+        self._prefill.labels(worker.url).observe(time.monotonic() - start)
         lease, offered = answer["lease"], answer["blocks"]
         try:
             try:

@@ -92,6 +92,7 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
         assert m["oasiskv_pd_remote_reads_total"] == 4 and (
             m["oasiskv_pd_remote_read_failures_total"] == 0)
         assert m["oasiskv_pd_remote_read_seconds_count"] == 4
+        assert m["oasiskv_pd_remote_prefill_seconds_count"] == 4
         # the prefill workers split the prompts and released every lease
         exported = [s.metrics() for s in (a, b)]
         assert sum(e["oasiskv_pd_blocks_exported_total"] for e in exported) == sum(blocks)
