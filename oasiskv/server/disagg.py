@@ -64,7 +64,6 @@ from oasiskv.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("both", "prefill", "decode")
 #: seconds between two /health probes of a prefill worker marked down
 PROBE_S = 2.0
 _POLL_S = 0.0005  # between two polls of a NIXL transfer in flight
