@@ -12,7 +12,7 @@ from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.server.async_engine import AsyncEngine
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine():
     return LLMEngine(device="cpu")
 
@@ -47,3 +47,37 @@ def test_call_returns_raises_and_undoes_when_the_caller_left(engine):
 
     asyncio.run(main())
     assert undone == [("held", "oasiskv-engine")]
+
+
+def test_the_engine_thread_waits_while_nothing_can_run(engine):
+    """A request that cannot be scheduled (every free block held elsewhere) makes steps that run
+    nothing: the engine thread waits between them instead of spinning, and the request runs once
+    the blocks are given back."""
+    from oasiskv.sampling_params import SamplingParams
+    steps = [0]
+    step = engine.step
+
+    def counted(*a, **k):
+        steps[0] += 1
+        return step(*a, **k)
+
+    async def main():
+        bridge = AsyncEngine(engine, max_waiting=4)
+        bridge.start()
+        try:
+            alloc = engine.allocator
+            held = await bridge.call(lambda: alloc.hold_new(alloc.num_free_blocks))
+            engine.step = counted
+            handle = await bridge.submit([[5, 6, 7]], [SamplingParams(temperature=0)], 4)
+            await asyncio.sleep(0.3)
+            idle_steps = steps[0]
+            await bridge.call(lambda: alloc.release(held))
+            outs = [out async for _, out in handle.outputs()]
+            return idle_steps, outs[-1]
+        finally:
+            engine.step = step
+            await bridge.close()
+
+    idle_steps, last = asyncio.run(main())
+    assert 5 <= idle_steps <= 0.3 / 0.005 + 5, idle_steps  # one per IDLE_WAIT_S, not thousands
+    assert last.finished and len(last.token_ids) == 4
