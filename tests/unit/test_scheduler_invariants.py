@@ -21,6 +21,21 @@ def live(sched: Scheduler) -> list[Sequence]:
     return list(sched.running) + [s for s in sched.waiting if s.block_table]
 
 
+def step(sched: Scheduler, rng: random.Random, check=lambda batch: None) -> None:
+    """One scheduled step as the engine runs it (``check`` sees the batch first): computed tokens
+    recorded, a random token sampled where the prompt is done, finished at ``max_tokens``."""
+    batch = sched.schedule()
+    if batch is None:
+        return
+    check(batch)
+    sched.postprocess(batch)
+    for seq in batch.seqs:
+        if seq.num_computed_tokens == len(seq):
+            seq.append_token(rng.randrange(4))
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4, 16]),
        budget=st.integers(1, 64), share=st.booleans(), tiered=st.booleans())
@@ -36,19 +51,13 @@ def test_random_operations_keep_invariants(ops, num_blocks, block_size, budget, 
             sched.add(seq)
             all_seqs.append(seq)
         elif op == "step":
-            batch = sched.schedule()
-            if batch is not None:
+            def check(batch):
                 assert len(batch) <= 6
                 if batch.is_prefill:
                     assert sum(batch.num_tokens) <= budget
                 for seq, n in zip(batch.seqs, batch.num_tokens):
                     assert seq.num_computed_tokens + n <= len(seq.block_table) * block_size
-                sched.postprocess(batch)
-                for seq in batch.seqs:
-                    if seq.num_computed_tokens == len(seq):
-                        seq.append_token(rng.randrange(4))
-                        if len(seq.output_token_ids) >= seq.params.max_tokens:
-                            sched.finish(seq, "length")
+            step(sched, rng, check)
         elif all_seqs:
             seq = rng.choice(all_seqs)
             if not seq.is_finished and (seq in sched.running or seq in sched.waiting):
@@ -108,14 +117,7 @@ def test_holds_of_moving_prompt_kv_keep_invariants(ops, num_blocks, block_size):
             seqs.append(seq)
             prompts.append(list(seq.token_ids))
         elif op == "step":
-            batch = sched.schedule()
-            if batch is not None:
-                sched.postprocess(batch)
-                for seq in batch.seqs:
-                    if seq.num_computed_tokens == len(seq):
-                        seq.append_token(rng.randrange(4))
-                        if len(seq.output_token_ids) >= seq.params.max_tokens:
-                            sched.finish(seq, "length")
+            step(sched, rng)
         elif op == "finish" and seqs:
             seq = rng.choice(seqs)
             if seq in sched.running:
