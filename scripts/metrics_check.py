@@ -8,62 +8,28 @@ python scripts/metrics_check.py qwen3-8b --context 32768 --requests 64 --max-tok
 
 Everything after ``--`` goes to ``oasiskv serve`` as is.
 """
-import argparse
 import json
 import random
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from served import Server, parse
 
 SHOWN = ("oasiskv_kv_", "oasiskv_guardrail_", "oasiskv_generation_tokens_total",
          "oasiskv_num_requests_running")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model")
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--timeout", type=float, default=900.0)
-    args = parser.parse_args(argv)
-    from oasiskv.models.loader import preset_names
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    load_format = "dummy" if args.model in preset_names() else "auto"  # presets: random weights
-    cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve", args.model,
-           "--port", str(port), "--load-format", load_format,
-           "--max-model-len", str(args.context + args.max_tokens + 1),
-           "--max-num-seqs", str(args.requests), *extra]
-    server = subprocess.Popen(cmd)
+    args, extra = parse(__doc__, requests=64, max_tokens=32, timeout=900.0)
     try:
-        deadline = time.monotonic() + args.timeout
-        while True:
-            if server.poll() is not None:
-                print(f"server exited with {server.returncode}", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                print("server not healthy in time", file=sys.stderr)
-                return 1
-            time.sleep(1)
+        server = Server(args, extra)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    url = server.url
+    try:
         vocab = 250  # ids inside every model's vocabulary (the tiny presets have 256)
 
         def complete(i: int) -> int:
@@ -77,7 +43,7 @@ def main() -> int:
         with ThreadPoolExecutor(args.requests) as pool:
             codes = list(pool.map(complete, range(args.requests)))
         seconds = time.monotonic() - start
-        metrics = httpx.get(url + "/metrics", timeout=10).text
+        metrics = server.metrics_text()
         shown = [line for line in metrics.splitlines() if line.startswith(SHOWN)]
         print("\n".join(shown))
         samples = [float(line.split()[-1]) for line in shown
@@ -87,8 +53,7 @@ def main() -> int:
         print(json.dumps(summary))
         return 0 if codes.count(200) == args.requests else 1
     finally:
-        server.terminate()
-        server.wait(30)
+        server.stop()
 
 
 if __name__ == "__main__":

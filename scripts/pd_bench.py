@@ -14,74 +14,16 @@ to every ``oasiskv serve`` as is (both workers need the same KV flags). A bench 
 random weights (``--load-format dummy``), the same in every process; the GPUs given run the
 workers (``CUDA_VISIBLE_DEVICES``), the single node on the decode GPU.
 """
-import argparse
 import json
-import os
 import random
 import shlex
-import socket
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``oasiskv serve`` in a subprocess on a free loopback port."""
-
-    def __init__(self, args, extra: list[str], gpu: str | None, *flags: str):
-        from oasiskv.models.loader import preset_names
-        self.url = f"http://127.0.0.1:{_port()}"
-        load = "dummy" if args.model in preset_names() else "auto"
-        cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve", args.model,
-               "--port", self.url.rsplit(":", 1)[1], "--load-format", load,
-               "--max-model-len", str(args.context + args.max_tokens + 1),
-               "--max-num-seqs", str(args.requests), *extra, *flags]
-        env = dict(os.environ)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        self.proc = subprocess.Popen(cmd, env=env)
-        deadline = time.monotonic() + args.timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server not healthy in time")
-            time.sleep(1)
-
-    def metrics(self) -> dict[str, float]:
-        """Samples by name, summed over labels but ``le`` (a histogram bucket: ``name{le}``)."""
-        totals: dict[str, float] = {}
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name, value = line.split("{")[0].split()[0], float(line.split()[-1])
-            if 'le="' in line:
-                name += "{" + line.split('le="')[1].split('"')[0] + "}"
-            totals[name] = totals.get(name, 0.0) + value
-        return totals
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+from served import Server, parse
 
 
 def _p99(values: list[float]) -> float:
@@ -148,15 +90,7 @@ def run_load(args, front: Server) -> dict:
     return point
 
 
-def main() -> int:
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model")
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
+def _flags(parser) -> None:
     parser.add_argument("--prefill-gpu", default=None, help="CUDA_VISIBLE_DEVICES of the prefill "
                                                             "worker (default: inherited)")
     parser.add_argument("--decode-gpu", default=None, help="... of the decode worker and the "
@@ -167,8 +101,10 @@ def main() -> int:
                              "process's memory as used, so the worker started second, the "
                              "decode worker, asks for both shares)")
     parser.add_argument("--setups", default="single,pd", help="which setups to run, in order")
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    args = parser.parse_args(argv)
+
+
+def main() -> int:
+    args, extra = parse(__doc__, requests=32, max_tokens=64, timeout=1800.0, add=_flags)
     points = {}
     for setup in args.setups.split(","):
         servers = []
