@@ -50,22 +50,11 @@ class BlockManager(KVAllocator):
         return self.blocks_to_add(seq, num_new_tokens) <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        need = self.blocks_to_add(seq, num_new_tokens)
-        if need > len(self.free_blocks):
-            raise RuntimeError(f"KV pool exhausted: need {need} blocks, "
-                               f"{len(self.free_blocks)} free")
-        for _ in range(need):
-            block, _ = self.free_blocks.popitem(last=False)
-            self._forget_hash(block)
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+        seq.block_table += self._take_free(self.blocks_to_add(seq, num_new_tokens))
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+            self._drop(block)
         seq.block_table = []
         self._hashed.pop(seq.seq_id, None)
 
@@ -110,15 +99,8 @@ class BlockManager(KVAllocator):
     def hold_new(self, n: int) -> list[int]:
         """Hold ``n`` free blocks (the oldest freed, their hashes forgotten), for contents written
         from outside; raises ``RuntimeError`` when fewer are free."""
-        if n > len(self.free_blocks):
-            raise RuntimeError(f"KV pool exhausted: need {n} blocks, {len(self.free_blocks)} free")
-        blocks = []
-        for _ in range(n):
-            block, _ = self.free_blocks.popitem(last=False)
-            self._forget_hash(block)
-            self.ref_counts[block] = 1
-            self.held[block] += 1
-            blocks.append(block)
+        blocks = self._take_free(n)
+        self.held.update(blocks)
         return blocks
 
     def register(self, block: int, h: int) -> None:
@@ -138,14 +120,33 @@ class BlockManager(KVAllocator):
             self.held[block] -= 1
             if not self.held[block]:
                 del self.held[block]
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+            self._drop(block)
+
+    def _take_free(self, n: int) -> list[int]:
+        """``n`` free blocks, the oldest freed first, each with one reference and its hash
+        forgotten; ``RuntimeError`` (nothing taken) when fewer are free."""
+        if n > len(self.free_blocks):
+            raise RuntimeError(f"KV pool exhausted: need {n} blocks, {len(self.free_blocks)} free")
+        blocks = []
+        for _ in range(n):
+            block, _ = self.free_blocks.popitem(last=False)
+            self._forget_hash(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
 
     def _take(self, block: int) -> None:
+        """One more reference to ``block`` (off the free list if it was free)."""
         if self.ref_counts[block] == 0:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
+
+    def _drop(self, block: int) -> None:
+        """One reference less; a block no one references goes to the end of the free list."""
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
 
     def on_computed(self, seq: Sequence) -> None:
         """Register blocks of ``seq`` that became complete."""
