@@ -29,15 +29,20 @@ def brute_force_guess(tokens, max_n=3):
     return tokens[-1]
 
 
-def test_incremental_ngram_index_equals_a_scan_as_the_sequence_grows():
+@pytest.mark.parametrize("rebuild", [3, 7, 4096])  # the arrays rebuilt often, now and then, never
+def test_incremental_ngram_index_equals_a_scan_as_the_sequence_grows(monkeypatch, rebuild):
     import random
-    rng = random.Random(0)
-    for _ in range(20):
-        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
-        index = NgramIndex()
-        for _ in range(40):
-            assert index.guess(tokens) == brute_force_guess(tokens)
-            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 3))]
+
+    import oasiskv.spec.ngram as ngram
+    monkeypatch.setattr(ngram, "REBUILD_TOKENS", rebuild)
+    rng = random.Random(rebuild)
+    for _ in range(60):
+        vocab, max_n = rng.choice([3, 6, 50]), rng.choice([1, 2, 3, 4, 5])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        index = NgramIndex(max_n)
+        for _ in range(30):
+            assert index.guess(tokens) == brute_force_guess(tokens, max_n)
+            tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
 
 
 def test_make_drafter_parses_and_rejects():
