@@ -102,6 +102,7 @@ class SparseBackend(AttentionBackend):
                                f"each, drafter included) after {fixed / 2**30:.2f} GiB of block "
                                f"summaries and drafter: lower --host-kv-gib or --topk-blocks")
         kv.allocate(host, int(slots) + 1)
+        self.guardrail.warm_up()
         self.retrieval.allocate(self.config.max_num_seqs)
         if drafter:
             drafter.reserve(int(slots), max_len)

@@ -32,7 +32,11 @@ import triton.language as tl
 _BLOCK_B, _TILES, _NUM_WARPS, _NUM_STAGES = 64, 1, 2, 1
 
 
-@triton.jit
+# sizes and strides that follow a context's length, and table slices at any offset, are not
+# specialised on (divisibility by 16, == 1, alignment): calls at every length share one compiled
+# kernel instead of compiling a variant, ~0.2 s each, in the middle of a served step
+@triton.jit(do_not_specialize=["max_blocks", "stride_bt", "stride_on", "stride_oh"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "num_blocks_ptr"])
 def _block_scores_kernel(
     q_ptr, summaries_ptr, block_tables_ptr, num_blocks_ptr, out_ptr,
     alpha, max_blocks,

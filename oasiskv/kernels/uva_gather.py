@@ -27,7 +27,8 @@ _MAX_CHUNK = 4096  # elements per load/store; a B=16, D=128 slice (2048) moves i
 _NUM_WARPS = 4
 
 
-@triton.jit
+# (the item count follows a context's length: not specialised on, see ``block_scores``)
+@triton.jit(do_not_specialize=["num_items"])
 def _gather_kernel(
     host_k_ptr, host_v_ptr, ws_k_ptr, ws_v_ptr, src_block_ptr, src_head_ptr, dst_slot_ptr,
     host_ks_ptr, host_vs_ptr, ws_ks_ptr, ws_vs_ptr,

@@ -86,6 +86,18 @@ class Guardrail:
                                 dtype=torch.int32, device=self.kv.device)
         return self._q.numel() * self._q.element_size() + self._maps.numel() * 4
 
+    def warm_up(self) -> None:
+        """One measurement of a made-up sample (row 0 at layer 0, three blocks of the host store:
+        contents whatever they are), waited for: the kernels it launches compile and load now,
+        not in a served step (once, about a second on CUDA). Call after the storage exists."""
+        if not self.active or self.kv.host.num_blocks < 3:
+            return
+        pos = 3 * self.kv.layout.block_size - 2  # two complete blocks and a partial one
+        self._picked = [(0, 0, None, pos, [0, 1, 2])]
+        self._launch(self._picked)
+        self._picked = []
+        self._collect(wait=True)
+
     def pick(self, seqs: list, positions: list[int]) -> None:
         """Sample this step's decode rows (``seqs`` with the positions they compute; none for a
         prefill step)."""
