@@ -1,19 +1,19 @@
 """``oasiskv bench``: decode throughput over context length x concurrency x output length.
 
 For each point, ``concurrency`` requests with random prompt tokens of ``context`` length are
-prefilled (not timed), then every decode step is timed. Reported per point: output tok/s, TPOT
-(ms per decode step), mean running batch, KV bytes read per step, achieved bytes/s (weights + KV per
-step over step time) and its ratio to the measured device copy bandwidth (the roofline). In oasis
-mode also host->HBM bytes/s over PCIe, how full the fetch cap ran (admitted blocks over what the
-cap allows; random weights at long context fill it: every head misses its whole cap, the worst
-case) and the foreground stall per step: time the decode stream waited for prefetch (async) or
-spent selecting and fetching (synchronous retrieval, inline), timed on the device by clock marks
-(graph replays included; the marks add two one-program kernels per layer). What the side stages
-cost the foreground by sharing the GPU is not stall: that is TPOT with ``--prefetch async`` minus
-TPOT with ``--prefetch off``. With
-``--emulated-host-gib`` requests share physical host blocks (a benchmark-only capacity emulation):
-every such point is labelled EMULATED in the table and the JSON. With
-``--engine hf`` transformers' ``generate`` runs the same points in the same process as a baseline.
+prefilled (not timed), then every decode step is timed. Reported per point: output tok/s, TPOT (ms
+per decode step; also the median and the longest step), mean running batch, KV bytes read per step,
+achieved bytes/s (weights + KV per step over step time) and its ratio to the measured device copy
+bandwidth (the roofline). In oasis mode also host->HBM bytes/s over PCIe, how full the fetch cap
+ran (admitted blocks over what the cap allows; random weights at long context fill it: every head
+misses its whole cap, the worst case) and the foreground stall per step: time the decode stream
+waited for prefetch (async) or spent selecting and fetching (synchronous retrieval, inline), timed
+on the device by clock marks (graph replays included; the marks add two one-program kernels per
+layer). What the side stages cost the foreground by sharing the GPU is not stall: that is TPOT with
+``--prefetch async`` minus TPOT with ``--prefetch off``. With ``--emulated-host-gib`` requests
+share physical host blocks (a benchmark-only capacity emulation): every such point is labelled
+EMULATED in the table and the JSON. With ``--engine hf`` transformers' ``generate`` runs the same
+points in the same process as a baseline.
 Prints a table, writes an optional PNG, and ends with one JSON line.
 """
 from __future__ import annotations
@@ -48,6 +48,8 @@ class Point:
     batch: float = 0.0
     tok_s: float = 0.0
     tpot_ms: float = 0.0
+    step_p50_ms: float = 0.0  # the median and the longest decode step (TPOT is their mean)
+    step_max_ms: float = 0.0
     kv_gb_per_step: float = 0.0
     pcie_gb_s: float = 0.0
     stall_ms: float | None = None
@@ -257,6 +259,7 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
     for _ in range(n):
         engine.add_request([rng.randrange(1, vocab) for _ in range(context)], params)
     steps, seconds, batch_sum, kv_bytes, fetched, stall, timed = 0, 0.0, 0, 0, 0, 0.0, 0
+    durations = []
     admitted = allowed = 0
     while engine.has_unfinished():
         lens = [len(seq) for seq in engine.scheduler.running]  # what a decode step attends to
@@ -266,6 +269,7 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         s = engine.stats
         if not s.last_step_prefill:
             steps, seconds, batch_sum = steps + 1, seconds + dt, batch_sum + s.last_batch_size
+            durations.append(dt)
             kv_bytes += kv_read_bytes(engine, lens)
             fetched += s.kv.get("fetched_bytes", 0)
             admitted += s.kv.get("fetched_blocks", 0)
@@ -276,6 +280,8 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.batch = batch_sum / steps
         point.tok_s = batch_sum / seconds
         point.tpot_ms = 1e3 * seconds / steps
+        point.step_p50_ms = 1e3 * sorted(durations)[len(durations) // 2]
+        point.step_max_ms = 1e3 * max(durations)
         point.kv_gb_per_step = kv_bytes / steps / 1e9
         weights = weight_bytes(engine.runner.model, round(point.batch)) / 1e9  # MoE: routed only
         point.achieved_gb_s = (weights + point.kv_gb_per_step) / (seconds / steps)
@@ -300,14 +306,14 @@ def print_table(points: list[Point], env: dict) -> None:
               f"(capacity emulation, benchmark only)")
     head = f"{'engine':30} {'ctx':>6} {'conc':>5} {'out':>5} {'batch':>6} {'tok/s':>9} " \
            f"{'TPOT ms':>8} {'KV GB/step':>10} {'GB/s':>8} {'roofline':>8} {'PCIe GB/s':>9} " \
-           f"{'stall ms':>8} {'cap fill':>8}  note"
+           f"{'stall ms':>8} {'cap fill':>8} {'p50 ms':>7} {'max ms':>7}  note"
     print(head)
     print("-" * len(head))
     for p in points:
         print(f"{p.engine:30} {p.context:6d} {p.concurrency:5d} {p.output_len:5d} {p.batch:6.1f} "
               f"{p.tok_s:9.1f} {p.tpot_ms:8.2f} {p.kv_gb_per_step:10.2f} {p.achieved_gb_s:8.0f} "
-              f"{p.roofline:8.2f} {p.pcie_gb_s:9.2f} {_opt(p.stall_ms):>8} {_opt(p.cap_fill):>8}  "
-              f"{p.note}")
+              f"{p.roofline:8.2f} {p.pcie_gb_s:9.2f} {_opt(p.stall_ms):>8} {_opt(p.cap_fill):>8} "
+              f"{p.step_p50_ms:7.2f} {p.step_max_ms:7.2f}  {p.note}")
 
 
 def _opt(value: float | None) -> str:
