@@ -28,9 +28,7 @@ _EMPTY_FIRST = -(2 ** 62)  # LRU keys: empty slots first, hit slots never (stamp
 _PROTECTED = 2 ** 62
 
 
-# (lengths and table strides are not specialised on: see ``block_scores``)
-@triton.jit(do_not_specialize=["num_blocks", "stride_sn", "stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "slots_ptr"])
+@triton.jit
 def _select_kernel(
     scores_ptr, ws_map_ptr, ws_last_ptr, slots_ptr, block_tables_ptr, now_ptr, counters_ptr,
     src_ptr, dst_ptr,

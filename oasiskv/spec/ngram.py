@@ -105,8 +105,13 @@ class NgramDrafter(Drafter):
         self._index: dict[int, NgramIndex] = {}
 
     def propose(self, seqs):
-        return [self._index.setdefault(s.seq_id, NgramIndex(self.max_n)).guess(s.token_ids)
-                for s in seqs]
+        guesses = []
+        for seq in seqs:
+            index = self._index.get(seq.seq_id)
+            if index is None:
+                index = self._index[seq.seq_id] = NgramIndex(self.max_n)
+            guesses.append(index.guess(seq.token_ids))
+        return guesses
 
     def release(self, seq) -> None:
         self._index.pop(seq.seq_id, None)
