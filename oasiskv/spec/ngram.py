@@ -22,14 +22,6 @@ _MASK = (1 << 64) - 1
 REBUILD_TOKENS = 4096
 
 
-def _key(gram) -> int:
-    """The key of one n-gram (a sequence of token ids), as ``_keys`` computes it."""
-    key = 0
-    for token in gram:
-        key = (key * KEY_BASE + token + 1) & _MASK
-    return key
-
-
 class NgramIndex:
     """Followers of every n-gram (n <= ``max_n``) of one growing token list, latest occurrence
     wins."""
@@ -57,18 +49,23 @@ class NgramIndex:
                     power = power * KEY_BASE & _MASK
                     recent[key] = tokens[p]
         self.indexed = size
-        tail = tokens[max(1, size - max_n):]  # the last n tokens, n < size
+        # the longest last n-gram seen before wins. An n-gram seen before means its last n - 1
+        # tokens were too, so look shortest first and stop at the first one never seen (random
+        # text: after one lookup, mostly)
+        guess, key, power = tokens[-1], 0, 1
         keys, stored = self.keys, self.keys.shape[0]
-        for i in range(len(tail)):  # longest first
-            key = _key(tail[i:])
+        for token in reversed(tokens[max(1, size - max_n):]):  # the last n tokens, n < size
+            key = (key + (token + 1) * power) & _MASK
+            power = power * KEY_BASE & _MASK
             hit = self.recent.get(key)
-            if hit is not None:
-                return hit
-            if stored:
+            if hit is None and stored:
                 at = int(keys.searchsorted(np.uint64(key)))
                 if at < stored and int(keys[at]) == key:
-                    return int(self.followers[at])
-        return tokens[-1]
+                    hit = int(self.followers[at])
+            if hit is None:
+                break
+            guess = hit
+        return guess
 
     def _build(self, tokens: list[int]) -> None:
         """Index every follower of ``tokens`` in the arrays (the dict empties)."""
