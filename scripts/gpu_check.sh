@@ -29,7 +29,9 @@ bench() {  # name, then bench flags: BENCH_MODEL (Qwen3-8B shape), random weight
 
 need() {  # install missing packages from wheels staged in .whl (the machine has no index), e.g.
   # `pip download -d .whl --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
-  # --platform manylinux_2_28_x86_64 fastapi uvicorn pydantic nixl-cu13==1.5.1`
+  # --platform manylinux_2_28_x86_64 fastapi uvicorn pydantic httpx nixl-cu13==1.5.1`, then
+  # `python scripts/slim_wheel.py .whl/nixl_cu13-*.whl nixl_ep_cu13 --out .whl` (56 -> 29 MiB: the
+  # tree and .whl then fit the 64 MiB a run takes)
   python3 -m pip install -q --no-index --find-links .whl "$@" 2>&1 | tail -2
 }
 
