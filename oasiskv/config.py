@@ -202,6 +202,9 @@ class TierConfig:
                               "setting, never read from MemTotal")
     score_alpha: float = _opt(1.0, "oasis: alpha in score = q.c + alpha*|q|.r over block min/max "
                               "summaries")
+    summary_dtype: str = _opt("auto", "oasis: block summaries in HBM: auto (the model's dtype) or "
+                              "fp8 (e4m3 rows with a scale each: half the HBM and half the bytes "
+                              "each selection scans)")
     draft: str = _opt("none", "oasis: how the working set is chosen: none (select with the current "
                       "token's query before attention: synchronous retrieval) or lookahead, one "
                       "step ahead, from: previous (the current query predicts the next), ngram "
@@ -228,6 +231,8 @@ class TierConfig:
         if not ((kind in ("none", "previous", "ngram") and not path)
                 or (kind in ("model", "eagle3") and path)):
             raise ValueError(f"unknown draft {self.draft!r}: use {DRAFTS}")
+        if self.summary_dtype not in ("auto", "fp8"):
+            raise ValueError(f"summary_dtype must be auto or fp8, got {self.summary_dtype!r}")
         if self.prefetch not in ("async", "inline", "off"):
             raise ValueError(f"prefetch must be async, inline or off, got {self.prefetch!r}")
 

@@ -58,7 +58,8 @@ class SparseBackend(AttentionBackend):
             tier = replace(tier, host_kv_gib=tier.host_kv_gib / ranks)
         self.config, self.device = config, device
         layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                              tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype))
+                              tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype),
+                              storage_dtype(tier.summary_dtype, dtype))
         self.kv = TieredKV(layout, tier, device, probes or TierProbes())
         self.guardrail = Guardrail(self.kv, tier.guardrail_rate, cfg.num_heads)
         # observers read each step's scores on the host: such an engine never captures graphs

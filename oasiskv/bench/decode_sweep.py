@@ -82,6 +82,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="K/V storage (pool, host store, working sets): auto or fp8")
+    parser.add_argument("--summary-dtype", default="auto",
+                        help="oasis: block summaries in HBM: auto (the model's dtype) or fp8")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -125,7 +127,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs, kv_mode=args.kv_mode,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
-        draft=args.draft, prefetch=args.prefetch, guardrail_rate=args.guardrail_rate)
+        draft=args.draft, prefetch=args.prefetch, guardrail_rate=args.guardrail_rate,
+        summary_dtype=args.summary_dtype)
 
 
 def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0) -> LLMEngine:
@@ -234,6 +237,7 @@ def _label(engine: LLMEngine) -> str:
     else:  # synchronous retrieval selects in line whatever --prefetch says, unless it is off
         mode = "sync-off" if t.prefetch == "off" else "sync"
     guard = f"-guard{t.guardrail_rate:g}" if t.guardrail_rate else ""
+    fp8 += "-fp8sum" if t.summary_dtype == "fp8" else ""
     return (f"oasis-K{t.topk_blocks}-{mode}{fp8}{guard}"
             + ("-EMULATED" if emulated_label(engine) else ""))
 

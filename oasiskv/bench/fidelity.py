@@ -111,6 +111,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="K/V storage of every run but the reference dense one: auto or fp8 "
                              "(then a 'dense fp8' run is added)")
+    parser.add_argument("--summary-dtype", default="auto",
+                        help="block summaries of the tiered runs: auto (the model's dtype) or fp8")
 
 
 def windows(engine: LLMEngine, text_file: str, count: int, length: int) -> list[list[int]]:
@@ -230,6 +232,8 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
         runs.append(teacher_forced(engine, wins, args.last, "dense fp8"))
         _free(engine)
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
+    base["summary_dtype"] = args.summary_dtype
+    suffix += " fp8-summaries" if args.summary_dtype == "fp8" else ""
     for k in (int(x) for x in args.topk_blocks.split(",")):
         for ratio in (1.0, args.fetch_ratio):
             engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.fp8 import check_scales
+
 # Launch config: block-table entries per tile, tiles per program, warps, pipeline stages. Tuned on
 # an H200 (128 rows x 2,048 blocks, 8 kv heads, D 128, bf16; `python -m oasiskv.bench.kernels
 # --scores`): 3.98 TB/s, against 2.68 for the former 32 x 1 x 4 x 1; looping programs (4 or 16
@@ -38,11 +40,12 @@ _BLOCK_B, _TILES, _NUM_WARPS, _NUM_STAGES = 64, 1, 2, 1
 @triton.jit(do_not_specialize=["max_blocks", "stride_bt", "stride_on", "stride_oh"],
             do_not_specialize_on_alignment=["block_tables_ptr", "num_blocks_ptr"])
 def _block_scores_kernel(
-    q_ptr, summaries_ptr, block_tables_ptr, num_blocks_ptr, out_ptr,
+    q_ptr, summaries_ptr, scale_ptr, block_tables_ptr, num_blocks_ptr, out_ptr,
     alpha, max_blocks,
-    stride_qn, stride_qh, stride_sb, stride_sh, stride_sr, stride_bt, stride_on, stride_oh,
+    stride_qn, stride_qh, stride_sb, stride_sh, stride_sr, stride_cb, stride_ch, stride_bt,
+    stride_on, stride_oh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr,
-    TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TILES: tl.constexpr, NUM_STAGES: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Scores of block-table entries ``[pid(2) * BLOCK_B * TILES, +BLOCK_B * TILES)`` of row
     ``pid(0)``, kv head ``pid(1)``."""
@@ -69,27 +72,37 @@ def _block_scores_kernel(
         base = head + host_id.to(tl.int64) * stride_sb
         hi = tl.load(base[:, None] + offs_d[None, :], mask=used[:, None], other=0.0)
         lo = tl.load(base[:, None] + stride_sr + offs_d[None, :], mask=used[:, None], other=0.0)
-        score = tl.sum(hi.to(tl.float32) * w_hi[None, :] + lo.to(tl.float32) * w_lo[None, :], 1)
+        if QUANT:  # FP8 rows times their scales
+            scales = scale_ptr + host_id.to(tl.int64) * stride_cb + kv_head * stride_ch
+            score = (tl.load(scales, mask=used, other=0.0)
+                     * tl.sum(hi.to(tl.float32) * w_hi[None, :], 1)
+                     + tl.load(scales + 1, mask=used, other=0.0)
+                     * tl.sum(lo.to(tl.float32) * w_lo[None, :], 1))
+        else:
+            score = tl.sum(hi.to(tl.float32) * w_hi[None, :] + lo.to(tl.float32) * w_lo[None, :],
+                           1)
         score = tl.where(used, score, float("-inf"))
         tl.store(out_ptr + row * stride_on + kv_head * stride_oh + offs_b, score,
                  mask=offs_b < max_blocks)
 
 
 def block_scores(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
-                 num_blocks: torch.Tensor, alpha: float, out: torch.Tensor | None = None, *,
+                 num_blocks: torch.Tensor, alpha: float, out: torch.Tensor | None = None,
+                 summary_scale: torch.Tensor | None = None, *,
                  block_b: int = _BLOCK_B, tiles: int = _TILES, num_warps: int = _NUM_WARPS,
                  num_stages: int = _NUM_STAGES) -> torch.Tensor:
     """Summary score of every complete block of every row, per kv head; returns ``out``.
 
     q: ``[N, Hq, D]`` (last-dim stride 1), Hq = G * Hk; query head h belongs to kv head ``h // G``.
-    summaries: ``[num_host_blocks, Hk, 2, D]`` (last-dim stride 1, any float dtype; row 0 max, row 1
-    min). block_tables: int32 ``[N, max_blocks]`` (last-dim stride 1), host block id of each of a
-    row's blocks. num_blocks: int32 ``[N]`` in ``0..max_blocks``, complete blocks of each row; only
-    ``block_tables[n, :num_blocks[n]]`` and the summaries they name are read. alpha: weight of the
-    radius term (1 = Quest upper bound). out: optional float32 ``[N, Hk, max_blocks]`` (last-dim
-    stride 1). Result: ``out[n, h, b]`` = sum over the G heads g of kv head h of
-    ``q_g . c + alpha * |q_g| . r`` for ``b < num_blocks[n]``, -inf past it. fp32 math. D a power of
-    two. No host sync; CUDA-graph capturable. ``block_b`` (a power of two), ``tiles``,
+    summaries: ``[num_host_blocks, Hk, 2, D]`` (last-dim stride 1, any float dtype; row 0 max, row
+    1 min; FP8 with ``summary_scale``, float32 ``[num_host_blocks, Hk, 2]``, a scale per row,
+    last-dim stride 1). block_tables: int32 ``[N, max_blocks]`` (last-dim stride 1), host block id
+    of each of a row's blocks. num_blocks: int32 ``[N]`` in ``0..max_blocks``, complete blocks of
+    each row; only ``block_tables[n, :num_blocks[n]]`` and the summaries they name are read. alpha:
+    weight of the radius term (1 = Quest upper bound). out: optional float32 ``[N, Hk,
+    max_blocks]`` (last-dim stride 1). Result: ``out[n, h, b]`` = sum over the G heads g of kv head
+    h of ``q_g . c + alpha * |q_g| . r`` for ``b < num_blocks[n]``, -inf past it. fp32 math. D a
+    power of two. No host sync; CUDA-graph capturable. ``block_b`` (a power of two), ``tiles``,
     ``num_warps``, ``num_stages``: the launch config (the kernel benchmark sweeps them).
     """
     n, num_q_heads, head_dim = q.shape
@@ -101,6 +114,8 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.T
     assert block_tables.dim() == 2 and block_tables.shape[0] == n and block_tables.stride(1) == 1
     assert num_blocks.shape == (n,)
     num_blocks = num_blocks.contiguous()  # 1-D index arrays are read as packed
+    scale = check_scales(None if summary_scale is None else (summary_scale, summary_scale),
+                         summaries, q.device)[0]
     max_blocks = block_tables.shape[1]
     if out is None:
         out = torch.empty((n, num_kv_heads, max_blocks), dtype=torch.float32, device=q.device)
@@ -112,12 +127,13 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.T
     block_b = min(block_b, triton.next_power_of_2(max_blocks))
     tiles = max(1, min(tiles, triton.cdiv(max_blocks, block_b)))
     _block_scores_kernel[(n, num_kv_heads, triton.cdiv(max_blocks, block_b * tiles))](
-        q, summaries, block_tables, num_blocks, out,
+        q, summaries, scale, block_tables, num_blocks, out,
         float(alpha), max_blocks,
         q.stride(0), q.stride(1), summaries.stride(0), summaries.stride(1), summaries.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale.stride(0), scale.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_B=block_b,
-        TILES=tiles, NUM_STAGES=num_stages, num_warps=num_warps,
+        TILES=tiles, NUM_STAGES=num_stages, QUANT=summary_scale is not None,
+        num_warps=num_warps,
     )
     return out
 

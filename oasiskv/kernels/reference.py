@@ -193,12 +193,14 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
 
 def block_scores_ref(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
                      num_blocks: torch.Tensor, alpha: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     summary_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Summary scores, as ``block_scores``: float32 ``[N, Hk, max_blocks]``; returns ``out``.
 
     ``out[n, h, b]`` = sum over the G query heads g of kv head h of ``q_g . c + alpha * |q_g| . r``
-    with c, r the center and radius of ``summaries[block_tables[n, b], h]`` (rows max, min), for
-    ``b < num_blocks[n]``; -inf past it (those table entries are not used).
+    with c, r the center and radius of ``summaries[block_tables[n, b], h]`` (rows max, min; FP8
+    rows times ``summary_scale``), for ``b < num_blocks[n]``; -inf past it (those table entries are
+    not used).
     """
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = summaries.shape[1]
@@ -207,7 +209,8 @@ def block_scores_ref(q: torch.Tensor, summaries: torch.Tensor, block_tables: tor
         out = torch.empty((n, num_kv_heads, max_blocks), dtype=torch.float32, device=q.device)
     used = torch.arange(max_blocks, device=q.device) < num_blocks.long()[:, None]  # [N, max_blocks]
     ids = torch.where(used, block_tables.long(), 0)
-    box = summaries[ids].float()  # [N, max_blocks, Hk, 2, D]
+    box = dequantize(as_bytes(summaries)[ids].view(summaries.dtype),
+                     None if summary_scale is None else summary_scale[ids])  # [N, mb, Hk, 2, D]
     center, radius = (box[..., 0, :] + box[..., 1, :]) / 2, (box[..., 0, :] - box[..., 1, :]) / 2
     qf = q.float().reshape(n, num_kv_heads, -1, head_dim)
     q_sum, q_abs = qf.sum(2), qf.abs().sum(2)  # [N, Hk, D]
@@ -257,12 +260,14 @@ def clock_add_ref(acc: torch.Tensor, sign: int) -> None:
 def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor,
                      summaries: torch.Tensor, dst_block: torch.Tensor, dst_head: torch.Tensor,
                      num_tokens: torch.Tensor | None = None,
-                     src_scale: torch.Tensor | None = None) -> None:
+                     src_scale: torch.Tensor | None = None,
+                     summary_scale: torch.Tensor | None = None) -> None:
     """Element-wise max (row 0) and min (row 1) over the tokens of ``src[idx0[i], idx1[i]]``
     (``[B, D]``) into ``summaries[dst_block[i], dst_head[i]]``, as ``block_minmax``; items with a
     negative ``dst_block`` (or ``num_tokens[i] == 0``) are skipped; only the first ``num_tokens[i]``
     tokens count when given. src and summaries may live on different devices. An FP8 ``src`` comes
-    with ``src_scale`` ``[I0, I1, B]``.
+    with ``src_scale`` ``[I0, I1, B]``; FP8 ``summaries`` with ``summary_scale``
+    ``[num_host_blocks, Hk, 2]`` (each row quantised as ``quantize_rows`` does).
     """
     block_size = src.shape[2]
     keep = dst_block >= 0
@@ -280,7 +285,12 @@ def block_minmax_ref(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor,
         hi = blocks.masked_fill(~tok_ok, float("-inf")).amax(1)
         lo = blocks.masked_fill(~tok_ok, float("inf")).amin(1)
     dst = dst_block[keep].long().to(summaries.device), dst_head[keep].long().to(summaries.device)
-    summaries[dst] = torch.stack([hi, lo], dim=1).to(summaries.dtype)
+    rows = torch.stack([hi, lo], dim=1)  # [m, 2, D]
+    if summary_scale is None:
+        summaries[dst] = rows.to(summaries.dtype)
+    else:
+        values, summary_scale[dst] = quantize_rows(rows)
+        as_bytes(summaries)[dst] = as_bytes(values)
 
 
 def select_blocks_ref(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor,

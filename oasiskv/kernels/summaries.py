@@ -18,16 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import check_scales
+from oasiskv.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX, check_scales
+from oasiskv.kernels.store_kv import _round_to_e4m3
 
 
 @triton.jit
 def _block_minmax_kernel(
     src_ptr, idx0_ptr, idx1_ptr, summaries_ptr, dst_block_ptr, dst_head_ptr, num_tokens_ptr,
-    scale_ptr,
+    scale_ptr, out_scale_ptr,
     stride_s0, stride_s1, stride_st, stride_sb, stride_sh, stride_sr, stride_c0, stride_c1,
+    stride_o0, stride_o1,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_NUM_TOKENS: tl.constexpr, QUANT: tl.constexpr,
+    HAS_NUM_TOKENS: tl.constexpr, QUANT: tl.constexpr, OUT_QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
 ):
     """Max and min over the tokens of block ``src[idx0[i], idx1[i]]`` into
     ``summaries[dst_block[i], dst_head[i]]``."""
@@ -54,6 +57,16 @@ def _block_minmax_kernel(
     hi = tl.max(tl.where(valid, x, float("-inf")), 0)
     lo = tl.min(tl.where(valid, x, float("inf")), 0)
     dst = summaries_ptr + tl.maximum(dst_block, 0) * stride_sb + dst_head * stride_sh + offs_d
+    if OUT_QUANT:  # each row quantised on its own, as FP8 K/V rows are (IEEE divisions)
+        s_hi = tl.div_rn(tl.maximum(tl.max(tl.where(d_mask, tl.abs(hi), 0.0), 0), MIN_AMAX),
+                         FP8_MAX)
+        s_lo = tl.div_rn(tl.maximum(tl.max(tl.where(d_mask, tl.abs(lo), 0.0), 0), MIN_AMAX),
+                         FP8_MAX)
+        hi = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(hi, s_hi), -FP8_MAX), FP8_MAX))
+        lo = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(lo, s_lo), -FP8_MAX), FP8_MAX))
+        out_scale = out_scale_ptr + tl.maximum(dst_block, 0) * stride_o0 + dst_head * stride_o1
+        tl.store(out_scale, s_hi, mask=live)
+        tl.store(out_scale + 1, s_lo, mask=live)
     out_ty = summaries_ptr.dtype.element_ty
     tl.store(dst, hi.to(out_ty), mask=live & d_mask)
     tl.store(dst + stride_sr, lo.to(out_ty), mask=live & d_mask)
@@ -62,7 +75,8 @@ def _block_minmax_kernel(
 def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summaries: torch.Tensor,
                  dst_block: torch.Tensor, dst_head: torch.Tensor,
                  num_tokens: torch.Tensor | None = None,
-                 src_scale: torch.Tensor | None = None) -> None:
+                 src_scale: torch.Tensor | None = None,
+                 summary_scale: torch.Tensor | None = None) -> None:
     """Write the summary of block ``src[idx0[i], idx1[i]]`` to
     ``summaries[dst_block[i], dst_head[i]]``.
 
@@ -75,8 +89,10 @@ def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summ
     ``dst_block[i] < 0`` are skipped. num_tokens: optional int32/int64 ``[M]``: reduce only the
     first ``min(num_tokens[i], B)`` tokens (0 skips the item); default all B (blocks passed are
     complete). An FP8 ``src`` comes with ``src_scale``, float32 ``[I0, I1, B]`` (last-dim stride
-    1): the summary is of the dequantized keys. Returns once launched: no host sync, CUDA-graph
-    capturable. Duplicate destinations leave an unspecified one of them.
+    1): the summary is of the dequantized keys. FP8 ``summaries`` come with ``summary_scale``,
+    float32 ``[num_host_blocks, Hk, 2]`` (last-dim stride 1): each row is stored as FP8 K/V rows
+    are (``kernels/fp8.py``: its absolute maximum over 448 is its scale). Returns once launched: no
+    host sync, CUDA-graph capturable. Duplicate destinations leave an unspecified one of them.
     """
     _, _, block_size, head_dim = src.shape
     assert src.stride(3) == 1, "src needs last-dim stride 1"
@@ -89,15 +105,18 @@ def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summ
     assert num_tokens is None or num_tokens.shape == (m,)
     scale = check_scales(None if src_scale is None else (src_scale, src_scale), src,
                          idx0.device)[0]
+    out_scale = check_scales(None if summary_scale is None else (summary_scale, summary_scale),
+                             summaries, idx0.device)[0]
     if m == 0:
         return
     _block_minmax_kernel[(m,)](
         src, idx0, idx1, summaries, dst_block, dst_head,
-        dst_block if num_tokens is None else num_tokens, scale,
+        dst_block if num_tokens is None else num_tokens, scale, out_scale,
         src.stride(0), src.stride(1), src.stride(2),
         summaries.stride(0), summaries.stride(1), summaries.stride(2),
-        scale.stride(0), scale.stride(1),
+        scale.stride(0), scale.stride(1), out_scale.stride(0), out_scale.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=triton.next_power_of_2(block_size),
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_NUM_TOKENS=num_tokens is not None,
-        QUANT=src_scale is not None,
+        QUANT=src_scale is not None, OUT_QUANT=summaries.dtype == FP8, FP8_MAX=FP8_MAX,
+        MIN_AMAX=MIN_AMAX,
     )

@@ -4,7 +4,8 @@ Host store, per K and V: ``[num_host_blocks, num_layers, Hk, B, D]`` (one (block
 slice of B*D elements is contiguous: the unit copied to HBM). Working set, per layer and K/V:
 ``[num_seq_slots, Hk, W, B, D]`` with W = K + 1 (slot W-1 is the local block). FP8 storage adds
 float32 scales of the same shapes without D (``kernels/fp8.py``). Summaries, per layer:
-``[num_host_blocks, Hk, 2, D]`` (element-wise max, then min, of a block's post-RoPE keys).
+``[num_host_blocks, Hk, 2, D]`` (element-wise max, then min, of a block's post-RoPE keys; FP8 with
+a scale per row).
 """
 from __future__ import annotations
 
@@ -25,10 +26,15 @@ class TieredLayout:
     topk_blocks: int          # K
     dtype: torch.dtype        # the model's: summaries, attention inputs
     kv_dtype: torch.dtype | None = None  # K/V storage (host store, working sets); None: dtype
+    summary_dtype: torch.dtype | None = None  # summaries' storage; None: dtype
 
     @property
     def storage_dtype(self) -> torch.dtype:
         return self.kv_dtype or self.dtype
+
+    @property
+    def summary_storage_dtype(self) -> torch.dtype:
+        return self.summary_dtype or self.dtype
 
     @property
     def slots(self) -> int:
@@ -56,7 +62,8 @@ class TieredLayout:
 
     @property
     def summary_bytes_per_block(self) -> int:
-        return self.num_layers * self.num_kv_heads * 2 * self.head_dim * self.dtype.itemsize
+        return (self.num_layers * self.num_kv_heads * 2
+                * row_bytes(self.head_dim, self.summary_storage_dtype))
 
     def fetch_cap(self, fetch_ratio: float) -> int:
         """Most new blocks one head may admit per layer per step: ceil(f_HBM * K)."""

@@ -1,17 +1,20 @@
 """SummaryStore: per (host block, kv-head) element-wise max and min of the block's post-RoPE keys,
 in HBM.
 
-Indexed by host block id, one table per layer: ``[num_host_blocks, Hk, 2, D]``. A block's summary is
-written once, when the block completes (prefill, or the local block filling during decode), and is
-readable by scoring from then on. Scoring follows the Quest bound: for a box [min, max] the largest
-q.k is q.c + |q|.r with c = (max + min)/2, r = (max - min)/2; a kv-head's score sums it over the
-query heads that share the kv-head, with ``alpha`` weighting the radius term.
+Indexed by host block id, one table per layer: ``[num_host_blocks, Hk, 2, D]``, in the model's
+dtype or (``summary_dtype=fp8``) as FP8 rows with a float32 scale each (``[num_host_blocks, Hk,
+2]``, ``kernels/fp8.py``): half the HBM, and half the bytes every selection scans. A block's
+summary is written once, when the block completes (prefill, or the local block filling during
+decode), and is readable by scoring from then on. Scoring follows the Quest bound: for a box [min,
+max] the largest q.k is q.c + |q|.r with c = (max + min)/2, r = (max - min)/2; a kv-head's score
+sums it over the query heads that share the kv-head, with ``alpha`` weighting the radius term.
 """
 from __future__ import annotations
 
 import torch
 
 from oasiskv.kernels.dispatch import kernel
+from oasiskv.kernels.fp8 import FP8
 from oasiskv.kv.layout import TieredLayout
 
 
@@ -19,7 +22,11 @@ class SummaryStore:
     def __init__(self, layout: TieredLayout, num_host_blocks: int, device: torch.device,
                  alpha: float):
         shape = (num_host_blocks, layout.num_kv_heads, 2, layout.head_dim)
-        self.tables = [torch.zeros(shape, dtype=layout.dtype, device=device)
+        fp8 = layout.summary_storage_dtype == FP8
+        self.tables = [torch.zeros(shape, dtype=torch.uint8, device=device).view(FP8) if fp8
+                       else torch.zeros(shape, dtype=layout.dtype, device=device)
+                       for _ in range(layout.num_layers)]
+        self.scales = [torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
                        for _ in range(layout.num_layers)]
         self.alpha = alpha
         cuda = device.type == "cuda"
@@ -31,10 +38,12 @@ class SummaryStore:
         """Summarise complete blocks ``src[idx0[i], idx1[i]]`` (src a ``[I0, I1, B, D]`` view; FP8:
         with its row scales ``[I0, I1, B]``) into (``dst_block[i]``, ``dst_head[i]``) of ``layer``;
         entries with ``dst_block < 0`` are skipped."""
-        self._minmax(src, idx0, idx1, self.tables[layer], dst_block, dst_head, src_scale=src_scale)
+        self._minmax(src, idx0, idx1, self.tables[layer], dst_block, dst_head, src_scale=src_scale,
+                     summary_scale=self.scales[layer])
 
     def scores(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor,
                num_blocks: torch.Tensor) -> torch.Tensor:
         """q ``[N, Hq, D]`` -> float32 ``[N, Hk, max_blocks]`` scores of each row's first
         ``num_blocks[n]`` blocks (host ids from ``block_tables``), -inf past them."""
-        return self._scores(q, self.tables[layer], block_tables, num_blocks, self.alpha)
+        return self._scores(q, self.tables[layer], block_tables, num_blocks, self.alpha,
+                            summary_scale=self.scales[layer])

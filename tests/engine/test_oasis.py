@@ -33,7 +33,9 @@ def dense_tokens(path, batch, params=GREEDY, kv_cache_dtype="auto", **kw):
     dict(max_num_batched_tokens=48),
     # host store too small for all at once: queueing + preemption
     dict(host_kv_gib=0.0004, max_num_seqs=8),
-], ids=["plain", "chunked-prefill", "tight-host-store"])
+    # FP8 summaries: scores change, the selection of every block does not
+    dict(summary_dtype="fp8"),
+], ids=["plain", "chunked-prefill", "tight-host-store", "fp8-summaries"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw, kv_cache_dtype):
     """FP8: the host store, working sets and dense pool quantise every row the same way, so tiered
@@ -286,8 +288,10 @@ def test_guardrail_predictor_auc_and_quartiles():
     assert predictor_signal([(0.3, True)]) is None
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,summary_dtype", [("auto", "auto"), ("fp8", "auto"),
+                                                          ("fp8", "fp8")])
+def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch, kv_cache_dtype,
+                                                       summary_dtype):
     """The engine's calls into every Triton kernel (interpreter on CPU) give dense decode's tokens
     (dense decode through the references, in the same storage dtype): catches argument mismatches
     (strides, index layouts, scales) that the torch references would forgive."""
@@ -302,8 +306,10 @@ def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch, kv
     real = dispatch.kernel
     monkeypatch.setattr(dispatch, "kernel", lambda name, cuda: real(name, True))
     assert dense_tokens(path, batch, params, kv_cache_dtype) == want  # the paged path's kernels
+    # (no stall clock: its kernel reads the GPU's timer in inline assembly, which the interpreter
+    # cannot run)
     llm = LLM(str(path), kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, summary_dtype=summary_dtype, measure_stall=False)
     assert [o.token_ids for o in llm.generate(batch, params)] == want
 
 

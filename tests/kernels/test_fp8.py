@@ -10,15 +10,17 @@ import pytest
 import torch
 
 from oasiskv.kernels.fp8 import FP8, FP8_MAX, dequantize, quantize_rows
+from oasiskv.kernels.block_scores import block_scores
 from oasiskv.kernels.paged_decode import paged_decode_attention
-from oasiskv.kernels.reference import (block_minmax_ref, gather_blocks_ref, paged_decode_ref,
-                                       sparse_decode_ref, store_kv_ref)
+from oasiskv.kernels.reference import (block_minmax_ref, block_scores_ref, gather_blocks_ref,
+                                       paged_decode_ref, sparse_decode_ref, store_kv_ref)
 from oasiskv.kernels.sparse_decode import sparse_decode_attention
 from oasiskv.kernels.store_kv import store_kv
 from oasiskv.kernels.summaries import block_minmax
 from oasiskv.kernels.uva_gather import gather_blocks
 from tests.kernels.test_paged_decode import _case, _dense
-from tests.kernels.test_sparse_kernels import ROWS, _dense_sparse, _host_case, _ws_case
+from tests.kernels.test_sparse_kernels import (NUM_BLOCKS, ROWS, _dense_sparse, _host_case,
+                                               _scores_case, _scores_float64, _ws_case)
 
 NAN = float("nan")
 
@@ -195,6 +197,57 @@ def test_block_minmax_of_fp8_rows_is_of_the_dequantized_keys(fn):
             assert torch.equal(summaries[d, b, 0], deq[a, b].amax(0))
             assert torch.equal(summaries[d, b, 1], deq[a, b].amin(0))
     assert int((~summaries.isnan()).sum()) == 3 * 2 * 32
+
+
+
+def test_fp8_summaries_store_each_row_as_quantize_rows_does():
+    """FP8 summaries (``summary_scale``): the kernel writes the max and min rows bit for bit as the
+    reference, which is ``quantize_rows`` of the float summary; unwritten rows stay as they were."""
+    host_k, _, _, _, _, _, _ = _host_case(dtype=torch.float32, seed=8)
+    host_k[torch.isnan(host_k)] = -2.0
+    host_k[5] *= 1e-3  # a block of small keys: its scale follows it
+    src = host_k[:, 1]
+    idx0 = torch.tensor([3, 0, 11, 5, 7], dtype=torch.int32)
+    idx1 = torch.tensor([1, 0, 1, 1, 0], dtype=torch.int64)
+    dst_block = torch.tensor([3, 0, -1, 5, 9], dtype=torch.int32)
+    outs = []
+    for fn in (block_minmax, block_minmax_ref):
+        summaries = torch.zeros((12, 2, 2, 32), dtype=torch.uint8).view(FP8)
+        scale = torch.full((12, 2, 2), NAN)
+        fn(src, idx0, idx1, summaries, dst_block, idx1, summary_scale=scale)
+        outs.append((summaries, scale))
+    (got, got_scale), (want, want_scale) = outs
+    assert torch.equal(bits(got), bits(want))
+    torch.testing.assert_close(got_scale, want_scale, rtol=0, atol=0, equal_nan=True)
+    for a, b, d in zip(idx0.tolist(), idx1.tolist(), dst_block.tolist()):
+        if d >= 0:
+            exact = torch.stack([src[a, b].amax(0), src[a, b].amin(0)])
+            values, scale = quantize_rows(exact)
+            assert torch.equal(bits(got[d, b]), bits(values))
+            assert torch.equal(got_scale[d, b], scale)
+            # e4m3 keeps 3 mantissa bits: within 1/16 of the row's largest value
+            assert (dequantize(got[d, b], got_scale[d, b]) - exact).abs().max() <= (
+                exact.abs().amax(-1, keepdim=True) / 16).max()
+    assert int((~got_scale.isnan()).sum()) == 4 * 2
+
+
+@pytest.mark.parametrize("group,config", [(2, {}), (4, dict(block_b=8, tiles=3, num_stages=2))])
+def test_block_scores_of_fp8_summaries(group, config):
+    """Scores from FP8 summaries and their row scales equal the reference's and the float64 scores
+    of the dequantized summaries (NaN summaries no row uses: never read)."""
+    q, _, summaries, tables, num_blocks = _scores_case(NUM_BLOCKS, num_kv_heads=2, group=group,
+                                                       head_dim=32, seed=6)
+    poisoned = summaries.isnan().any(-1).any(-1).any(-1)
+    values, scale = quantize_rows(torch.where(summaries.isnan(), 0.0, summaries))
+    scale[poisoned] = NAN
+    out = torch.full((4, 2, tables.shape[1]), NAN)
+    got = block_scores(q, values, tables, num_blocks, 0.5, out=out, summary_scale=scale,
+                       **config)
+    ref = block_scores_ref(q, values, tables, num_blocks, 0.5, summary_scale=scale)
+    want = _scores_float64(q, dequantize(values, scale), tables, num_blocks, 0.5)
+    assert got is out
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def cpu(*xs):
