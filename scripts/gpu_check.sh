@@ -19,6 +19,7 @@ stages=${*:-tests kernels bench}
 summary=()
 HOST_GIB=${HOST_GIB:-96}
 KV_DTYPE=${KV_DTYPE:-auto}  # --kv-cache-dtype of oasis-real, oasis-emulated and profile-oasis
+SUMMARY_DTYPE=${SUMMARY_DTYPE:-auto}  # --summary-dtype of oasis-emulated and profile-oasis
 REAL_LENS=${REAL_LENS:-16384,32768}  # oasis-real: context lengths, and REAL_MODES (default: dense sync ngram)
 bench() {  # name, then bench flags: BENCH_MODEL (Qwen3-8B shape), random weights; table to the log
   local name=$1; shift
@@ -67,7 +68,7 @@ for stage in $stages; do
       for prefetch in ${EMU_PREFETCH:-async off}; do
         bench "emulated-$prefetch" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
-          --prefetch "$prefetch" --kv-cache-dtype "$KV_DTYPE"
+          --prefetch "$prefetch" --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE"
       done ;;
     compare)  # before/after a change: dense 32K x max and the emulated-host point (64 x 32K, ngram,
       # async), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C .before`) and this one,
@@ -158,9 +159,12 @@ for stage in $stages; do
           $sweep 2>&1 | tee "$OUT/kernels-$dt.log" | grep -v '^{'
       done
       summary+=("kernels-fp8: see tables above") ;;
-    scores)  # the summary scan's launch configs
-      python3 -m oasiskv.bench.kernels --scores 2>&1 | tee "$OUT/scores.log" | grep -v '^{'
-      summary+=("scores: see table above") ;;
+    scores)  # the summary scan's launch configs, each summary dtype in SUMMARY_DTYPES (default both)
+      for sd in ${SUMMARY_DTYPES:-auto fp8}; do
+        python3 -m oasiskv.bench.kernels --scores --summary-dtype "$sd" 2>&1 \
+          | tee "$OUT/scores-$sd.log" | grep -v '^{'
+      done
+      summary+=("scores: see tables above") ;;
     bench)
       python3 -m oasiskv.cli --log-level WARNING bench qwen3-8b --context-lens 16384,32768 \
         --concurrency 1,8,16,max --output-lens 64 --engine oasiskv,hf --hf-max-batch 8 \
@@ -176,7 +180,7 @@ for stage in $stages; do
     profile-oasis)  # the oasis-emulated point, prefetch async then off: per-stream kernel time
       python3 scripts/profile_decode.py qwen3-8b --context-lens 32768 --concurrency "${EMU_CONC:-64}" \
         --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
-        --kv-cache-dtype "$KV_DTYPE" --compare-prefetch-off --python-top "${PYTHON_TOP:-0}" 2>&1 | tee "$OUT/profile_oasis.log" \
+        --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE" --compare-prefetch-off --python-top "${PYTHON_TOP:-0}" 2>&1 | tee "$OUT/profile_oasis.log" \
         | grep -v '^{'
       summary+=("profile-oasis: $(grep -h 'host wall' "$OUT"/profile_oasis.log | tr '\n' ' ')") ;;
     bench-quick)

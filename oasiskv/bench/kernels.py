@@ -12,8 +12,9 @@ forced split counts (best s) to check the split heuristic. Prints a table (with 
 size), then one JSON line.
 
 ``python -m oasiskv.bench.kernels --scores``: ``block_scores`` (the summary scan of tiered decode)
-at 128 rows x 32K (2,048 blocks each, 8 kv heads, bf16 summaries, one layer), for each launch
-config (block-table entries x warps per program); GB/s counts the summary bytes read.
+at 128 rows x 32K (2,048 blocks each, 8 kv heads, bf16 summaries, or FP8 with ``--summary-dtype
+fp8``, one layer), for each launch config (block-table entries x warps per program); GB/s counts
+the summary bytes read (FP8: values and scales).
 """
 import argparse
 import json
@@ -119,19 +120,26 @@ SCORE_CONFIGS = ([(b, 1, w, 1) for b in (32, 64, 128) for w in (2, 4, 8)]
                     for s in (2, 3)])
 
 
-def bench_scores() -> dict:
-    """``block_scores`` launch configs at SCORE_ROWS x SCORE_BLOCKS blocks (one layer)."""
+def bench_scores(fp8: bool = False) -> dict:
+    """``block_scores`` launch configs at SCORE_ROWS x SCORE_BLOCKS blocks (one layer); ``fp8``:
+    FP8 summaries with their row scales (bytes read count both)."""
     from oasiskv.kernels import block_scores as scan
+    from oasiskv.kernels.fp8 import quantize_rows
 
     dev = torch.device("cuda")
     n, m = SCORE_ROWS, SCORE_BLOCKS
     summaries = torch.randn(n * m, NUM_KV_HEADS, 2, HEAD_DIM, dtype=DTYPE, device=dev)
+    scale = None
+    if fp8:
+        summaries, scale = quantize_rows(summaries)
     tables = torch.randperm(n * m, device=dev).to(torch.int32).view(n, m)
     num_blocks = torch.full((n,), m, dtype=torch.int32, device=dev)
     q = torch.randn(n, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
     out = torch.empty(n, NUM_KV_HEADS, m, dtype=torch.float32, device=dev)
-    read = summaries.numel() * summaries.element_size()
-    print(f"block_scores: {n} rows x {m} blocks, {NUM_KV_HEADS} kv heads, bf16 summaries "
+    read = summaries.numel() * summaries.element_size() + (0 if scale is None else
+                                                          scale.numel() * 4)
+    print(f"block_scores: {n} rows x {m} blocks, {NUM_KV_HEADS} kv heads, "
+          f"{'FP8' if fp8 else 'bf16'} summaries "
           f"({read / 1e9:.2f} GB per layer), on {torch.cuda.get_device_name()}")
     print(f"{'blocks':>6} {'tiles':>5} {'warps':>5} {'stages':>6} {'ms':>8} {'GB/s':>7}")
     rows = []
@@ -139,8 +147,8 @@ def bench_scores() -> dict:
     for config in SCORE_CONFIGS:
         block_b, tiles, warps, stages = config
         ms = _graph_median_ms(lambda: scan.block_scores(
-            q, summaries, tables, num_blocks, 1.0, out=out, block_b=block_b, tiles=tiles,
-            num_warps=warps, num_stages=stages))
+            q, summaries, tables, num_blocks, 1.0, out=out, summary_scale=scale, block_b=block_b,
+            tiles=tiles, num_warps=warps, num_stages=stages))
         rows.append({"block_b": block_b, "tiles": tiles, "num_warps": warps,
                      "num_stages": stages, "ms": ms, "gbps": read / ms / 1e6})
         mark = " (default)" if config == default else ""
@@ -156,13 +164,15 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--scores", action="store_true", help="the summary-scan benchmark instead")
+    parser.add_argument("--summary-dtype", choices=("auto", "fp8"), default="auto",
+                        help="--scores: summaries in the model's dtype (bf16) or FP8")
     parser.add_argument("--sweep-launch", action="store_true",
                         help="also time each launch config in LAUNCHES at the first point")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("oasiskv.bench.kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
     if args.scores:
-        print(json.dumps(bench_scores()))
+        print(json.dumps(bench_scores(args.summary_dtype == "fp8")))
         return
     fp8 = args.kv_cache_dtype == "fp8"
     rows = []

@@ -314,3 +314,26 @@ def test_fp8_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device
     block_minmax_ref(hk[:, 1], *cpu(blocks, src_head), want, *cpu(src_block, src_head),
                      src_scale=hks[:, 1])
     torch.testing.assert_close(table.cpu(), want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_fp8_summaries_compiled_at_a_real_shape_equal_their_references(cuda_device):
+    """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16): compiled ``block_minmax`` writes FP8
+    summaries bit for bit as its reference, and ``block_scores`` over them (128 rows x 300 blocks)
+    equals the reference's scores."""
+    torch.manual_seed(1)
+    dev, heads, dim = cuda_device, 8, 128
+    keys = torch.randn(512, heads, 16, dim, device=dev, dtype=torch.bfloat16) * 2
+    idx0 = torch.arange(512, device=dev).repeat_interleave(heads)
+    idx1 = torch.arange(heads, device=dev).repeat(512)
+    got, want = [(torch.zeros((512, heads, 2, dim), dtype=torch.uint8, device=dev).view(FP8),
+                  torch.full((512, heads, 2), NAN, device=dev)) for _ in range(2)]
+    block_minmax(keys, idx0, idx1, got[0], idx0, idx1, summary_scale=got[1])
+    block_minmax_ref(keys, idx0, idx1, want[0], idx0, idx1, summary_scale=want[1])
+    assert torch.equal(bits(got[0]), bits(want[0])) and torch.equal(got[1], want[1])
+    q = torch.randn(128, heads * 4, dim, device=dev, dtype=torch.bfloat16)
+    tables = torch.randint(0, 512, (128, 300), device=dev, dtype=torch.int32)
+    num_blocks = torch.randint(0, 301, (128,), device=dev, dtype=torch.int32)
+    scores = block_scores(q, got[0], tables, num_blocks, 1.0, summary_scale=got[1])
+    ref = block_scores_ref(q, got[0], tables, num_blocks, 1.0, summary_scale=got[1])
+    torch.testing.assert_close(scores, ref, rtol=1e-4, atol=1e-3)
