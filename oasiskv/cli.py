@@ -56,19 +56,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from oasiskv.server.api import serve
+        from oasiskv.server.api import Disaggregation, serve
     except ImportError as exc:
         raise SystemExit(f"the server needs extra packages ({exc.name}): "
                          f"pip install 'oasiskv[server]'")
-    if args.role == "decode" and not args.prefill_url:
-        raise ValueError("--role decode needs at least one --prefill-url")
-    if args.prefill_url and args.role != "decode":
-        raise ValueError("--prefill-url is for --role decode")
+    pd = Disaggregation(args.role, tuple(args.prefill_url), args.remote_timeout,
+                        args.prefill_timeout, args.local_prefill_blocks)
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_waiting=args.max_waiting, served_model_name=args.served_model_name,
-                 max_request_bytes=args.max_request_bytes, role=args.role,
-                 prefill_urls=args.prefill_url, remote_timeout_s=args.remote_timeout,
-                 prefill_timeout_s=args.prefill_timeout)
+                 max_request_bytes=args.max_request_bytes, pd=pd)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -148,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="deadline of a prefill worker's answer (it prefills the prompt first), "
                           "seconds; past it the worker is marked down and the prompt goes to "
                           "another (default: 300)")
+    srv.add_argument("--local-prefill-blocks", type=int, default=0, metavar="N",
+                     help="--role decode: prefill a prompt here, not on a prefill worker, when at "
+                          "most N of its complete blocks are missing from this worker's prefix "
+                          "cache (a repeated prompt, a chat's next turn); 0 = only when none is "
+                          "(default: 0)")
     srv.set_defaults(func=cmd_serve)
 
     from oasiskv.bench.decode_sweep import add_bench_flags

@@ -60,6 +60,14 @@ class KVExchange:
         """Bytes one whole host block holds (K and V, every layer and kv head)."""
         return self.kv.layout.host_block_bytes
 
+    def uncached(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``' complete blocks (before its last token) this store's prefix
+        cache does not hold: those after the longest leading run it has."""
+        hashes = self.allocator.prompt_hashes(token_ids)
+        held = next((i for i, h in enumerate(hashes) if h not in self.allocator.hash_to_block),
+                    len(hashes))
+        return len(hashes) - held
+
     def export(self, token_ids: list[int]) -> list[int]:
         """Hold the host blocks of ``token_ids``' complete prefix that this store has (in chain
         order, the longest leading run; none past the bound on holds); ``release`` them when

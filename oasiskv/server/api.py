@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -139,14 +140,38 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                     param=".".join(common) or None)
 
 
+@dataclass(frozen=True)
+class Disaggregation:
+    """``serve --role``: ``both`` (one node, the default) or a prefill / decode worker
+    (``server/disagg.py``). A decode worker sends prompts to ``prefill_urls``; ``remote_timeout_s``
+    bounds a KV read and a control message, ``prefill_timeout_s`` a prefill worker's answer; a
+    prompt with at most ``local_prefill_blocks`` complete blocks missing from the decode worker's
+    own prefix cache is prefilled there instead (a repeated prompt, the next turn of a chat whose
+    earlier turns it decoded)."""
+    role: str = "both"
+    prefill_urls: tuple[str, ...] = ()
+    remote_timeout_s: float = 10.0
+    prefill_timeout_s: float = 300.0
+    local_prefill_blocks: int = 0
+
+    def __post_init__(self):
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role == "decode" and not self.prefill_urls:
+            raise ValueError("--role decode needs at least one --prefill-url")
+        if self.prefill_urls and self.role != "decode":
+            raise ValueError("--prefill-url is for --role decode")
+        if self.local_prefill_blocks < 0:
+            raise ValueError(f"--local-prefill-blocks must be >= 0, got "
+                             f"{self.local_prefill_blocks}")
+
+
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
                max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               role: str = "both", prefill_urls: list[str] | None = None,
-               remote_timeout_s: float = 10.0, prefill_timeout_s: float = 300.0) -> FastAPI:
+               pd: Disaggregation = Disaggregation()) -> FastAPI:
     """The app around ``engine``; its lifespan starts and stops the engine thread. From here on only
     that thread may use ``engine``. ``app.state.engine`` is the ``AsyncEngine``,
-    ``app.state.model_name`` the name clients must use. ``role`` ``prefill`` / ``decode``:
-    disaggregated serving (``server/disagg.py``; ``decode`` needs ``prefill_urls``)."""
+    ``app.state.model_name`` the name clients must use. ``pd``: the worker's role."""
     model_name = served_model_name or engine.model_path.name
     vocab_size = engine.model_config.vocab_size
     metrics = Metrics(lambda: bridge.stats)
@@ -155,15 +180,14 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer,
                             model_name, vocab_size)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
-    if role not in ("both", "prefill", "decode"):
-        raise ValueError(f"role must be both, prefill or decode, got {role!r}")
-    if role != "both":  # (transport packages only where they are used)
+    if pd.role != "both":  # (transport packages only where they are used)
         from oasiskv.server import disagg
-    if role == "decode":
-        service = disagg.DecodeRouter(bridge, list(prefill_urls or ()), metrics.registry, api_key,
-                                      remote_timeout_s, prefill_timeout_s)
+    if pd.role == "decode":
+        service = disagg.DecodeRouter(bridge, list(pd.prefill_urls), metrics.registry, api_key,
+                                      pd.remote_timeout_s, pd.prefill_timeout_s,
+                                      pd.local_prefill_blocks)
         serving.admit = service.admit
-    elif role == "prefill":
+    elif pd.role == "prefill":
         service = disagg.PrefillService(bridge, metrics.registry)
     else:
         service = None
@@ -227,7 +251,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
-    if role == "prefill":
+    if pd.role == "prefill":
         @app.get("/v1/kv/descriptor")
         async def kv_descriptor():
             return service.descriptor()
@@ -272,16 +296,14 @@ class _Server(uvicorn.Server):
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_waiting: int = 1024,
           served_model_name: str | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, role: str = "both",
-          prefill_urls: list[str] | None = None, remote_timeout_s: float = 10.0,
-          prefill_timeout_s: float = 300.0) -> int:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          pd: Disaggregation = Disaggregation()) -> int:
     """Load the engine and serve until SIGINT/SIGTERM; returns the exit status (0 after a clean
     stop). ``api_key`` falls back to ``$OASISKV_API_KEY``; empty means no auth."""
     api_key = api_key or os.environ.get("OASISKV_API_KEY") or None
     engine = LLMEngine(config)
     try:
-        app = create_app(engine, served_model_name, api_key, max_waiting, max_request_bytes,
-                         role, prefill_urls, remote_timeout_s, prefill_timeout_s)
+        app = create_app(engine, served_model_name, api_key, max_waiting, max_request_bytes, pd)
     except BaseException:
         engine.close()
         raise

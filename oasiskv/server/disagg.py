@@ -22,25 +22,29 @@ Between leases the blocks stay in its host store as cached prefix blocks (LRU), 
 with the same prefix prefills only the rest there too.
 
 A **decode worker** (``--prefill-url URL``, repeatable) is the OpenAI front end. For each prompt,
-after tokenizing and checking it and before the engine sees it, it asks the prefill worker with the
-fewest prompts in flight to prefill it, holds a host block per offered block (the one it already has
-under the same block hash, a prefix it has seen, or a fresh one), reads the missing blocks from that
-worker in one NIXL transfer with a deadline, writes their summaries, names them in its prefix cache
-and releases the lease; the request then prefills only the last partial block. A worker that cannot
-be reached (or whose read fails or times out) is marked down and the prompt goes to the next one; a
-down worker is probed on ``/health`` every ``PROBE_S`` seconds and used again once it answers. With
-no worker left the request gets HTTP 503. Every wait has a deadline: an HTTP connection or
-control message and a NIXL read ``--remote-timeout``, a prefill answer ``--prefill-timeout``; a
-prompt waiting for its KV never holds up the engine, which keeps stepping the others. Requests
-already admitted never depend on a prefill worker again (their KV is local), so its failure ends
-no running request.
+after tokenizing and checking it and before the engine sees it, it counts the prompt's complete
+blocks its own prefix cache does not hold: at most ``--local-prefill-blocks`` (default 0: none),
+and the engine prefills the prompt here (a repeated prompt, or the next turn of a chat whose
+earlier turns this worker decoded: their blocks are cached here, not on any prefill worker). Else
+it asks the prefill worker with the fewest prompts in flight to prefill it, holds a host block per
+offered block (the one it already has under the same block hash, a prefix it has seen, or a fresh
+one), reads the missing blocks from that worker in one NIXL transfer with a deadline, writes their
+summaries, names them in its prefix cache and releases the lease; the request then prefills only
+the last partial block. A worker that cannot be reached (or whose read fails or times out) is
+marked down and the prompt goes to the next one; a down worker is probed on ``/health`` every
+``PROBE_S`` seconds and used again once it answers. With no worker left the request gets HTTP 503.
+Every wait has a deadline: an HTTP connection or control message and a NIXL read
+``--remote-timeout``, a prefill answer ``--prefill-timeout``; a prompt waiting for its KV never
+holds up the engine, which keeps stepping the others. Requests already admitted never depend on a
+prefill worker again (their KV is local), so its failure ends no running request.
 
 /metrics (decode worker, each labelled ``worker`` = the prefill worker's URL):
 ``oasiskv_pd_admission_bytes`` (bytes read at admission), ``oasiskv_pd_blocks_imported`` /
 ``oasiskv_pd_blocks_reused`` (read, or already held), ``oasiskv_pd_remote_reads`` /
 ``oasiskv_pd_remote_read_failures`` (NIXL transfers), ``oasiskv_pd_remote_read_seconds`` and
 ``oasiskv_pd_remote_prefill_seconds`` (histograms: a read, a prefill worker's answer), and
-``oasiskv_pd_prefill_worker_up{url}``; (prefill worker) ``oasiskv_pd_leases``
+``oasiskv_pd_prefill_worker_up{url}``; unlabelled, ``oasiskv_pd_local_prefills`` (prompts
+prefilled here); (prefill worker) ``oasiskv_pd_leases``
 and ``oasiskv_pd_blocks_exported``.
 """
 from __future__ import annotations
@@ -172,12 +176,15 @@ class DecodeRouter:
 
     def __init__(self, bridge: AsyncEngine, urls: list[str], registry: CollectorRegistry,
                  api_key: str | None = None, timeout_s: float = 10.0,
-                 prefill_timeout_s: float = 300.0):
+                 prefill_timeout_s: float = 300.0, local_prefill_blocks: int = 0):
         """``timeout_s``: deadline of a NIXL read and of an HTTP connection or control message;
-        ``prefill_timeout_s``: of a prefill worker's answer (it prefills the prompt first)."""
+        ``prefill_timeout_s``: of a prefill worker's answer (it prefills the prompt first); a
+        prompt with at most ``local_prefill_blocks`` complete blocks this worker does not hold is
+        prefilled here."""
         if not urls:
             raise ValueError("--role decode needs at least one --prefill-url")
         self.bridge, self.timeout_s, self.prefill_timeout_s = bridge, timeout_s, prefill_timeout_s
+        self.local_prefill_blocks = local_prefill_blocks
         self.exchange = _exchange(bridge)
         self.reader = RemoteReader(self.exchange.kv.host, _agent_name("decode"), timeout_s)
         self.workers = [_Worker(url.rstrip("/")) for url in urls]
@@ -210,6 +217,10 @@ class DecodeRouter:
                                                       5.0, 10.0, 30.0, 60.0), registry=registry)
         self._up = Gauge("oasiskv_pd_prefill_worker_up", "1 while a prefill worker is in use",
                          ["url"], registry=registry)
+        self._local = Counter("oasiskv_pd_local_prefills",
+                              "Prompts prefilled on this decode worker: at most "
+                              "--local-prefill-blocks of their complete blocks were not held here",
+                              registry=registry)
         for w in self.workers:  # every series present from the start, at 0
             self._up.labels(w.url).set(1)
             for family in (self._bytes, self._imported, self._reused, self._reads,
@@ -239,8 +250,13 @@ class DecodeRouter:
                                 f"are queued or running (limit {self.bridge.max_waiting}); retry "
                                 "later", code="overloaded", headers={"Retry-After": "1"})
         for ids in prompts:
-            if (len(ids) - 1) // self.exchange.allocator.block_size:
-                await self._admit(ids)
+            if not (len(ids) - 1) // self.exchange.allocator.block_size:
+                continue  # no complete block to move
+            missing = await self.bridge.call(lambda ids=ids: self.exchange.uncached(ids))
+            if missing <= self.local_prefill_blocks:
+                self._local.inc()
+                continue
+            await self._admit(ids)
 
     async def _admit(self, ids: list[int]) -> None:
         tried, busy = [], []

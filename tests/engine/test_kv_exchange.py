@@ -69,10 +69,15 @@ def test_a_prefix_the_decode_host_holds_is_not_read_again(tiny):
     prefill, decode = LLM(str(tiny), **TIER), LLM(str(tiny), **TIER)
     src, dst = exchange(prefill), exchange(decode)
     first = prefill_and_export(prefill, ids)
+    B = dst.allocator.block_size
+    assert dst.uncached(ids) == len(first) == (len(ids) - 1) // B
     imp = dst.begin_import(ids, len(first))
     copy_blocks(src, dst, first, imp.blocks)
     dst.finish_import(imp)
     src.release(first)
+    # held here now: none of the prompt's blocks is missing, only the longer one's new ones
+    assert dst.uncached(ids) == 0
+    assert dst.uncached(longer) == (len(longer) - 1) // B - len(first)
     second = prefill_and_export(prefill, longer)
     assert second[:len(first)] == first  # the prefill worker reused its own prefix too
     imp = dst.begin_import(longer, len(second))

@@ -74,7 +74,8 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
         b = ServerProcess(tmp_path / "prefill-b.log", target, *FLAGS, "--role", "prefill")
         servers += [a, b]
         decode = ServerProcess(tmp_path / "decode.log", target, *FLAGS, "--role", "decode",
-                               "--prefill-url", a.url, "--prefill-url", b.url)
+                               "--prefill-url", a.url, "--prefill-url", b.url,
+                               "--local-prefill-blocks", "1")
         servers.append(decode)
         got = [answer(complete(decode, ids)) for ids in prompts[:1]]  # the shared prefix first
         with ThreadPoolExecutor(3) as pool:
@@ -98,6 +99,15 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
         assert sum(e["oasiskv_pd_blocks_exported_total"] for e in exported) == sum(blocks)
         assert all(e["oasiskv_pd_leases"] == 0 for e in exported)
         assert decode.wait_idle()["oasiskv_num_requests_running"] == 0
+
+        # at most one complete block not held here: prefilled here, no prefill worker asked. A
+        # repeated prompt (all 9 held), and one that goes on past it (its 10th block is new)
+        again = prompts[0] + [rng.randrange(5, 4000) for _ in range(20)]
+        assert answer(complete(decode, prompts[0])) == want[0]
+        assert answer(complete(decode, again)) == answer(complete(single, again))
+        m = pd_metrics(decode)
+        assert m["oasiskv_pd_local_prefills_total"] == 2
+        assert m["oasiskv_pd_remote_prefill_seconds_count"] == 4
 
         # a dead prefill worker: marked down, its prompts go to the other one
         a.stop(signal.SIGKILL)
