@@ -58,6 +58,7 @@ def _block_minmax_kernel(
     lo = tl.min(tl.where(valid, x, float("inf")), 0)
     dst = summaries_ptr + tl.maximum(dst_block, 0) * stride_sb + dst_head * stride_sh + offs_d
     if OUT_QUANT:  # each row quantised on its own, as FP8 K/V rows are (IEEE divisions)
+        hi, lo = tl.where(live & d_mask, hi, 0.0), tl.where(live & d_mask, lo, 0.0)  # (unstored)
         s_hi = tl.div_rn(tl.maximum(tl.max(tl.where(d_mask, tl.abs(hi), 0.0), 0), MIN_AMAX),
                          FP8_MAX)
         s_lo = tl.div_rn(tl.maximum(tl.max(tl.where(d_mask, tl.abs(lo), 0.0), 0), MIN_AMAX),
