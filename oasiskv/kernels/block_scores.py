@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import check_scales
+from oasiskv.kernels.fp8 import check_scale
 
 # Launch config: block-table entries per tile, tiles per program, warps, pipeline stages. Tuned on
 # an H200 (128 rows x 2,048 blocks, 8 kv heads, D 128, bf16; `python -m oasiskv.bench.kernels
@@ -114,8 +114,7 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.T
     assert block_tables.dim() == 2 and block_tables.shape[0] == n and block_tables.stride(1) == 1
     assert num_blocks.shape == (n,)
     num_blocks = num_blocks.contiguous()  # 1-D index arrays are read as packed
-    scale = check_scales(None if summary_scale is None else (summary_scale, summary_scale),
-                         summaries, q.device)[0]
+    scale = check_scale(summary_scale, summaries, q.device)
     max_blocks = block_tables.shape[1]
     if out is None:
         out = torch.empty((n, num_kv_heads, max_blocks), dtype=torch.float32, device=q.device)

@@ -83,3 +83,10 @@ def check_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.
         assert s.dtype == torch.float32 and s.shape == cache.shape[:-1] and s.stride(-1) == 1, (
             f"scales {tuple(s.shape)} {s.dtype} do not fit cache {tuple(cache.shape)}")
     return scales
+
+
+def check_scale(scale: torch.Tensor | None, values: torch.Tensor,
+                device: torch.device) -> torch.Tensor:
+    """``check_scales`` for one tensor of rows ``values`` ``[..., D]`` and its ``scale`` (e.g. a
+    block's keys, or FP8 summaries)."""
+    return check_scales(None if scale is None else (scale, scale), values, device)[0]

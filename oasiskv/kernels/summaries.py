@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX, check_scales
+from oasiskv.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX, check_scale
 from oasiskv.kernels.store_kv import _round_to_e4m3
 
 
@@ -104,10 +104,8 @@ def block_minmax(src: torch.Tensor, idx0: torch.Tensor, idx1: torch.Tensor, summ
     assert idx0.shape == idx1.shape == dst_block.shape == dst_head.shape == (m,)
     idx0, idx1, dst_block, dst_head = (x.contiguous() for x in (idx0, idx1, dst_block, dst_head))
     assert num_tokens is None or num_tokens.shape == (m,)
-    scale = check_scales(None if src_scale is None else (src_scale, src_scale), src,
-                         idx0.device)[0]
-    out_scale = check_scales(None if summary_scale is None else (summary_scale, summary_scale),
-                             summaries, idx0.device)[0]
+    scale = check_scale(src_scale, src, idx0.device)
+    out_scale = check_scale(summary_scale, summaries, idx0.device)
     if m == 0:
         return
     _block_minmax_kernel[(m,)](
