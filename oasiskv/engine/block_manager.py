@@ -78,8 +78,13 @@ class BlockManager(KVAllocator):
     def prompt_hashes(self, tokens: list[int]) -> list[int]:
         """The hash chain of a prompt's shareable blocks: the complete ones before its last
         token."""
-        bs, last, chain = self.block_size, 0, []
-        for i in range((len(tokens) - 1) // bs):
+        return self._chain(tokens, 0, (len(tokens) - 1) // self.block_size, 0)
+
+    def _chain(self, tokens: list[int], first: int, end: int, last: int) -> list[int]:
+        """Chain hashes of blocks ``first .. end - 1`` of ``tokens``, going on from ``last``, the
+        hash of block ``first - 1`` (0 before the first block)."""
+        bs, chain = self.block_size, []
+        for i in range(first, end):
             last = hash((last, tuple(tokens[i * bs:(i + 1) * bs])))
             chain.append(last)
         return chain
@@ -107,8 +112,13 @@ class BlockManager(KVAllocator):
         """Name a held block's (now complete) contents by chain hash ``h`` (kept if the hash or the
         block is named already)."""
         assert self.held[block] > 0, f"block {block} is not held"
-        if self.enable_prefix_sharing and h not in self.hash_to_block and (
-                block not in self.block_hash):
+        if self.enable_prefix_sharing:
+            self._name(block, h)
+
+    def _name(self, block: int, h: int) -> None:
+        """Register ``block`` under chain hash ``h``, unless the hash or the block is named
+        already."""
+        if h not in self.hash_to_block and block not in self.block_hash:
             self.hash_to_block[h] = block
             self.block_hash[block] = h
 
@@ -153,17 +163,13 @@ class BlockManager(KVAllocator):
         if not self.enable_prefix_sharing:
             return
         done, last = self._hashed.get(seq.seq_id, (0, 0))
-        tokens, bs = seq.token_ids, self.block_size
-        if seq.num_computed_tokens // bs == done:
+        end = seq.num_computed_tokens // self.block_size
+        if end <= done:
             return
-        for i in range(done, seq.num_computed_tokens // bs):
-            last = hash((last, tuple(tokens[i * bs:(i + 1) * bs])))
-            block = seq.block_table[i]
-            if last not in self.hash_to_block and block not in self.block_hash:
-                self.hash_to_block[last] = block
-                self.block_hash[block] = last
-            done = i + 1
-        self._hashed[seq.seq_id] = (done, last)
+        chain = self._chain(seq.token_ids, done, end, last)
+        for block, h in zip(seq.block_table[done:end], chain):
+            self._name(block, h)
+        self._hashed[seq.seq_id] = (end, chain[-1])
 
     def _forget_hash(self, block: int) -> None:
         h = self.block_hash.pop(block, None)
