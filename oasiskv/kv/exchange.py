@@ -60,10 +60,14 @@ class KVExchange:
         """Bytes one whole host block holds (K and V, every layer and kv head)."""
         return self.kv.layout.host_block_bytes
 
-    def uncached(self, token_ids: list[int]) -> int:
-        """How many of ``token_ids``' complete blocks (before its last token) this store's prefix
+    def prompt_hashes(self, token_ids: list[int]) -> list[int]:
+        """The hash chain of ``token_ids``' complete blocks before its last token: a pure function
+        of the tokens and the block size, safe on any thread (hash off the engine's, once)."""
+        return self.allocator.prompt_hashes(token_ids)
+
+    def uncached(self, hashes: list[int]) -> int:
+        """How many of a prompt's complete blocks (their ``prompt_hashes``) this store's prefix
         cache does not hold: those after the longest leading run it has."""
-        hashes = self.allocator.prompt_hashes(token_ids)
         held = next((i for i, h in enumerate(hashes) if h not in self.allocator.hash_to_block),
                     len(hashes))
         return len(hashes) - held
@@ -80,12 +84,11 @@ class KVExchange:
     def release(self, blocks: list[int]) -> None:
         self.allocator.release(blocks)
 
-    def begin_import(self, token_ids: list[int], offered: int) -> Import:
-        """Hold a host block for each of the first ``offered`` complete blocks of ``token_ids``:
-        the cached one where this store has it, else a fresh one to read into. Raises
-        ``RuntimeError`` (nothing held) when the store has too few free blocks or the holds
+    def begin_import(self, hashes: list[int]) -> Import:
+        """Hold a host block for each of the offered complete blocks of a prompt (the first of its
+        ``prompt_hashes``): the cached one where this store has it, else a fresh one to read into.
+        Raises ``RuntimeError`` (nothing held) when the store has too few free blocks or the holds
         would pass their bound."""
-        hashes = self.allocator.prompt_hashes(token_ids)[:offered]
         if not self._room(len(hashes)):
             raise RuntimeError(f"exchanges hold {sum(self.allocator.held.values())} host blocks "
                                f"(at most {self.max_held}): no room for {len(hashes)} more")

@@ -180,9 +180,8 @@ class DecodeRouter:
         """``timeout_s``: deadline of a NIXL read and of an HTTP connection or control message;
         ``prefill_timeout_s``: of a prefill worker's answer (it prefills the prompt first); a
         prompt with at most ``local_prefill_blocks`` complete blocks this worker does not hold is
-        prefilled here."""
-        if not urls:
-            raise ValueError("--role decode needs at least one --prefill-url")
+        prefilled here. ``urls``: at least one (``server.api.Disaggregation`` checks the
+        flags)."""
         self.bridge, self.timeout_s, self.prefill_timeout_s = bridge, timeout_s, prefill_timeout_s
         self.local_prefill_blocks = local_prefill_blocks
         self.exchange = _exchange(bridge)
@@ -250,15 +249,16 @@ class DecodeRouter:
                                 f"are queued or running (limit {self.bridge.max_waiting}); retry "
                                 "later", code="overloaded", headers={"Retry-After": "1"})
         for ids in prompts:
-            if not (len(ids) - 1) // self.exchange.allocator.block_size:
+            hashes = self.exchange.prompt_hashes(ids)  # (here: not on the engine thread)
+            if not hashes:
                 continue  # no complete block to move
-            missing = await self.bridge.call(lambda ids=ids: self.exchange.uncached(ids))
+            missing = await self.bridge.call(lambda h=hashes: self.exchange.uncached(h))
             if missing <= self.local_prefill_blocks:
                 self._local.inc()
                 continue
-            await self._admit(ids)
+            await self._admit(ids, hashes)
 
-    async def _admit(self, ids: list[int]) -> None:
+    async def _admit(self, ids: list[int], hashes: list[int]) -> None:
         tried, busy = [], []
         while True:
             worker = min((w for w in self.workers if w.up and w.url not in tried),
@@ -274,7 +274,7 @@ class DecodeRouter:
             tried.append(worker.url)
             worker.inflight += 1
             try:
-                await self._admit_from(worker, ids)
+                await self._admit_from(worker, ids, hashes)
                 return
             except _Busy:
                 busy.append(worker.url)
@@ -303,7 +303,7 @@ class DecodeRouter:
         resp.raise_for_status()
         return resp.json()
 
-    async def _admit_from(self, worker: _Worker, ids: list[int]) -> None:
+    async def _admit_from(self, worker: _Worker, ids: list[int], hashes: list[int]) -> None:
         if worker.peer is None:
             d = await self._checked(worker, await self._client.get(worker.url
                                                                    + "/v1/kv/descriptor"))
@@ -317,7 +317,8 @@ class DecodeRouter:
         lease, offered = answer["lease"], answer["blocks"]
         try:
             try:
-                imp = await self.bridge.call(lambda: self.exchange.begin_import(ids, len(offered)),
+                offered_hashes = hashes[:len(offered)]
+                imp = await self.bridge.call(lambda: self.exchange.begin_import(offered_hashes),
                                              undo=self.exchange.abort_import)
             except RuntimeError as exc:  # no room here: the engine prefills the prompt itself
                 logger.warning("no host blocks to import a prompt's KV into (%s)", exc)

@@ -47,7 +47,7 @@ def test_imported_prefix_decodes_the_single_engine_tokens(tiny, kv_cache_dtype):
     for ids, tokens in zip(batch, want):
         offered = prefill_and_export(prefill, ids)
         assert len(offered) == (len(ids) - 1) // B  # the whole shareable prefix, held
-        imp = dst.begin_import(ids, len(offered))
+        imp = dst.begin_import(dst.prompt_hashes(ids)[:len(offered)])
         assert imp.missing == list(range(len(offered)))
         copy_blocks(src, dst, [offered[i] for i in imp.missing],
                     [imp.blocks[i] for i in imp.missing])
@@ -70,22 +70,22 @@ def test_a_prefix_the_decode_host_holds_is_not_read_again(tiny):
     src, dst = exchange(prefill), exchange(decode)
     first = prefill_and_export(prefill, ids)
     B = dst.allocator.block_size
-    assert dst.uncached(ids) == len(first) == (len(ids) - 1) // B
-    imp = dst.begin_import(ids, len(first))
+    assert dst.uncached(dst.prompt_hashes(ids)) == len(first) == (len(ids) - 1) // B
+    imp = dst.begin_import(dst.prompt_hashes(ids)[:len(first)])
     copy_blocks(src, dst, first, imp.blocks)
     dst.finish_import(imp)
     src.release(first)
     # held here now: none of the prompt's blocks is missing, only the longer one's new ones
-    assert dst.uncached(ids) == 0
-    assert dst.uncached(longer) == (len(longer) - 1) // B - len(first)
+    assert dst.uncached(dst.prompt_hashes(ids)) == 0
+    assert dst.uncached(dst.prompt_hashes(longer)) == (len(longer) - 1) // B - len(first)
     second = prefill_and_export(prefill, longer)
     assert second[:len(first)] == first  # the prefill worker reused its own prefix too
-    imp = dst.begin_import(longer, len(second))
+    imp = dst.begin_import(dst.prompt_hashes(longer)[:len(second)])
     assert imp.missing == list(range(len(first), len(second)))
     dst.abort_import(imp)  # nothing read: the fresh blocks go back unnamed
     src.release(second)
     assert not dst.allocator.held and not src.allocator.held
-    imp = dst.begin_import(longer, len(second))
+    imp = dst.begin_import(dst.prompt_hashes(longer)[:len(second)])
     assert imp.missing == list(range(len(first), len(second)))
     dst.abort_import(imp)
 
@@ -100,14 +100,14 @@ def test_a_full_host_store_or_too_many_holds_refuse_with_nothing_held(tiny):
     assert dst.max_held == total // 2
     hog = dst.allocator.hold_new(dst.max_held - 2)
     with pytest.raises(RuntimeError, match=f"at most {dst.max_held}"):
-        dst.begin_import(ids, n)
+        dst.begin_import(dst.prompt_hashes(ids)[:n])
     decode.generate([ids], SamplingParams(max_tokens=1, temperature=0))  # its blocks cached
     assert dst.export(ids) == []
     dst.allocator.release(hog)
     dst.max_held = 10 * total  # only the free blocks bound it now
     hog = dst.allocator.hold_new(dst.allocator.num_free_blocks - 2)
     with pytest.raises(RuntimeError, match="exhausted"):
-        dst.begin_import(prompts(1, lo=150, hi=151, seed=7)[0], n)
+        dst.begin_import(dst.prompt_hashes(prompts(1, lo=150, hi=151, seed=7)[0])[:n])
     assert sum(dst.allocator.held.values()) == len(hog)
     dst.allocator.release(hog)
     dst.allocator.check_invariants([])
