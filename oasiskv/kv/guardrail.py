@@ -23,9 +23,9 @@ then (so a sample whose request ends, and whose host blocks a new prompt overwri
 read the new contents; rare, and it only touches the measurement). At most ``MAX_PENDING``
 measurements are in flight: a step's samples beyond that are dropped and counted
 (``take_dropped``), which bounds the side stream's share of the GPU and of PCIe (``every_layer``
-harnesses drop nothing). Cost: with R > 0,
-two small copies per layer per step (the taps); per sampled row, one layer's K and V of its
-context over PCIe (32K tokens, 8 kv heads, bf16: 134 MB) and a dense attention of one query.
+harnesses drop nothing). Cost: with R > 0, two small copies per layer per step (the taps); per
+sampled row, one layer's K and V of its context over PCIe (32K tokens, 8 kv heads, bf16: 134 MB)
+and a dense attention of one query.
 Results: ``StepStats.samples`` ``guardrail_recall``, ``guardrail_rel_error`` and
 ``guardrail_topk_agreement`` (histograms on /metrics), and ``last``: (request id, position, layer,
 recall, relative error) per sample of the measurements read last, for harnesses.
@@ -93,9 +93,7 @@ class Guardrail:
         if not self.active or self.kv.host.num_blocks < 3:
             return
         pos = 3 * self.kv.layout.block_size - 2  # two complete blocks and a partial one
-        self._picked = [(0, 0, None, pos, [0, 1, 2])]
-        self._launch(self._picked)
-        self._picked = []
+        self._launch([(0, 0, None, pos, [0, 1, 2])])
         self._collect(wait=True)
 
     def pick(self, seqs: list, positions: list[int]) -> None:

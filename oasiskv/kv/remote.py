@@ -27,6 +27,7 @@ import base64
 import json
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,16 +40,21 @@ class RemoteReadError(RuntimeError):
     """A remote read failed (its peer died or refused it)."""
 
 
+#: completed transfers whose latency ``ReadStats`` keeps
+LATENCIES_KEPT = 4096
+
+
 @dataclass
 class ReadStats:
     """What a ``RemoteReader`` has moved: transfers started, bytes and units they read (all
-    regions: K, V and FP8 scales), transfers that failed or timed out, and the seconds each
-    completed transfer took from its start (read and cleared by whoever exports them)."""
+    regions: K, V and FP8 scales), transfers that failed or timed out, and the seconds each of the
+    latest ``LATENCIES_KEPT`` completed transfers took from its start (a reader lives as long as
+    its server: the list must not grow with every transfer)."""
     transfers: int = 0
     bytes: int = 0
     units: int = 0
     failed: int = 0
-    latencies: list[float] = field(default_factory=list)
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
 
 
 def _nixl():

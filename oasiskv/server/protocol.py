@@ -117,7 +117,6 @@ class ChatCompletionRequest(SamplingRequest):
                 + (["response_format"] if rf and rf.get("type") != "text" else []))
 
 
-# ---- responses ---------------------------------------------------------------------------------
 class KVPrefillRequest(_Request):
     """Disaggregated serving, to a prefill worker: prefill these tokens and hold their KV."""
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -128,6 +127,7 @@ class KVReleaseRequest(_Request):
     lease: str = Field(max_length=64)
 
 
+# ---- responses ---------------------------------------------------------------------------------
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
