@@ -21,12 +21,13 @@ def live(sched: Scheduler) -> list[Sequence]:
     return list(sched.running) + [s for s in sched.waiting if s.block_table]
 
 
-def step(sched: Scheduler, rng: random.Random, check=lambda batch: None) -> None:
+def step(sched: Scheduler, rng: random.Random, check=lambda batch: None) -> bool:
     """One scheduled step as the engine runs it (``check`` sees the batch first): computed tokens
-    recorded, a random token sampled where the prompt is done, finished at ``max_tokens``."""
+    recorded, a random token sampled where the prompt is done, finished at ``max_tokens``. False
+    when nothing was scheduled."""
     batch = sched.schedule()
     if batch is None:
-        return
+        return False
     check(batch)
     sched.postprocess(batch)
     for seq in batch.seqs:
@@ -34,6 +35,7 @@ def step(sched: Scheduler, rng: random.Random, check=lambda batch: None) -> None
             seq.append_token(rng.randrange(4))
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 sched.finish(seq, "length")
+    return True
 
 
 @settings(max_examples=150, deadline=None)
@@ -79,16 +81,10 @@ def test_everything_finishes_when_driven_to_completion():
     seqs = [Sequence(list(range(i + 3)), SamplingParams(max_tokens=6)) for i in range(7)]
     for s in seqs:
         sched.add(s)
+    rng = random.Random(0)
     for _ in range(500):
-        batch = sched.schedule()
-        if batch is None:
+        if not step(sched, rng):
             break
-        sched.postprocess(batch)
-        for seq in batch.seqs:
-            if seq.num_computed_tokens == len(seq):
-                seq.append_token(1)
-                if len(seq.output_token_ids) >= 6:
-                    sched.finish(seq, "length")
     assert all(s.is_finished for s in seqs)
     assert bm.num_free_blocks == 10
 
