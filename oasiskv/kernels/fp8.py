@@ -52,9 +52,12 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``[..., D]`` -> (FP8 values ``[..., D]``, float32 scales ``[...]``): the rule every
-    writer follows (``store_kv`` and its reference)."""
+    writer follows (``store_kv`` and its reference). Both divisions are IEEE on every device (CUDA
+    torch divides by a Python number as a multiply by its reciprocal, one ulp off the kernels'
+    scales, which moves values that sit near a rounding tie)."""
     x = x.float()
-    scale = x.abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX
+    amax = x.abs().amax(-1).clamp(min=MIN_AMAX)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
