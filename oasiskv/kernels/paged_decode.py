@@ -19,11 +19,11 @@ import triton.language as tl
 from oasiskv.kernels.fp8 import FP8, check_scales
 
 _LOG2E = 1.4426950408889634
-# Launch config by storage dtype: (KV tokens per inner-loop iteration (several blocks per tile when
-# block_size is small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16). A
-# program keeps one tile in flight while it computes the last, so FP8 (half the bytes per token)
-# needs twice the tokens per tile to keep as many bytes in flight as 16-bit.
-_LAUNCH = {"16-bit": (64, 4, 2), "fp8": (128, 4, 2)}
+# Launch config: (KV tokens per inner-loop iteration (several blocks per tile when block_size is
+# small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16) for 16-bit and FP8
+# caches alike. (FP8 once used 128-token tiles; with the value scales folded into the softmax
+# weights, 64 keeps 3 programs per SM instead of 2 and is 10-14% faster: docs/benchmarks.md §14.)
+_LAUNCH = (64, 4, 2)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -80,7 +80,7 @@ def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.c
     """One tile of online softmax in the log2 domain: scores ``q @ kt`` times each key's
     dequantization scale ``k_scale`` ``[TILE]`` (``[BLOCK_G, TILE]``, -inf where not ``valid``) ->
     (p, alpha, m_new, l_new), ``l_i`` the denominator state of ``_zero_denominator``; the caller
-    rescales its accumulator by alpha and adds ``_pv(p, v_scale, v, v_top)``. While no valid token
+    rescales its accumulator by alpha and adds ``_pv(p, v_scale, v)``. While no valid token
     has been seen (m_new = -inf) exp2 is kept away from NaN. FP8_DOT: ``q`` is ``_fp16_query``'s
     fp16 copy, ``qk_scale`` divided by its shift, and ``kt`` FP8: the dot runs on fp16 inputs (the
     FP8 values convert exactly with one instruction per pair, the products are exact in the fp32
@@ -103,12 +103,6 @@ def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.c
 
 
 @triton.jit
-def _positive(top):
-    """A largest scale, or 1 when there is none (no valid row: every weight is 0 anyway)."""
-    return tl.where(top > 0, top, 1.0)
-
-
-@triton.jit
 def _fp16_query(q):
     """(q16, shift) for float32 query rows ``q`` ``[BLOCK_G, HEAD_DIM]`` that came from 16-bit
     storage: ``q16 = q * shift`` in fp16, exact (a bf16 value has 8 significant bits, fp16 11)
@@ -121,22 +115,23 @@ def _fp16_query(q):
 
 
 @triton.jit
-def _pv(p, v_scale, v, v_top, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
-        FP8_DOT: tl.constexpr):
+def _pv(p, v_scale, v, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
+        INTERPRETED: tl.constexpr):
     """``(p * v_scale) @ v``: float32 ``[BLOCK_G, HEAD_DIM]`` for softmax weights ``p``
     ``[BLOCK_G, TILE]``, value rows ``v`` ``[TILE, HEAD_DIM]`` and their dequantization scales
-    ``[TILE]`` (used when QUANT). FP8_DOT: ``v_top`` is the split's largest V scale
-    (``_v_top``); the rows are dequantized relative to it in fp16, ``v * (v_scale / v_top)`` (so
-    within FP8's range, at most 448; a row more than ~1e6 times smaller than the split's largest
-    loses precision to fp16 subnormals) in the layout they were loaded in (the multiply keeps the
-    conversion there: fp16, not single bytes, go through shared memory to the tensor cores), the
-    weights (in [0, 1]) are rounded to fp16 too, and ``v_top`` multiplies the fp32 result; else the
-    dot runs in float32 at DOT_PRECISION."""
-    if FP8_DOT:
-        v16 = v.to(tl.float16) * (v_scale / v_top).to(tl.float16)[:, None]
-        return tl.dot(p.to(tl.float16), v16) * v_top
+    ``[TILE]`` (used when QUANT). The scales go into the weights (``BLOCK_G`` rows, not the
+    ``TILE x HEAD_DIM`` values). FP8_DOT: the dot runs on bf16 inputs: the FP8 values convert
+    exactly and the scaled weights keep bf16's 8 significant bits over float32's range (so no
+    value row, however small or large against the others, leaves it); else in float32 at
+    DOT_PRECISION. INTERPRETED (Triton's CPU interpreter, which multiplies bf16 dot inputs as their
+    raw 16-bit integers): the same bf16 values widened to float32, whose products and sums match."""
     if QUANT:
         p = p * v_scale[None, :]
+    if FP8_DOT:
+        p16, v16 = p.to(tl.bfloat16), v.to(tl.bfloat16)
+        if INTERPRETED:
+            return tl.dot(p16.to(tl.float32), v16.to(tl.float32), input_precision="ieee")
+        return tl.dot(p16, v16)
     return tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
 
 
@@ -169,7 +164,7 @@ def _decode_split_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MIN_BLOCKS: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
-    FP8_DOT: tl.constexpr,
+    FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
 
@@ -209,17 +204,6 @@ def _decode_split_kernel(
     kt_in_block = kv_head * stride_ch + tile_off[None, :] * stride_cs + offs_d[:, None]
     v_in_block = kv_head * stride_ch + tile_off[:, None] * stride_cs + offs_d[None, :]
 
-    v_top = 1.0
-    if FP8_DOT:  # the split's largest V scale, for _pv (a pass over the scales: 4 of 132 bytes)
-        top = tl.zeros([TILE], tl.float32)
-        for blk0 in range(blk_start, blk_end, BLOCKS_PER_ITER):
-            blk = blk0 + tile_blk
-            valid = (blk < blk_end) & (blk * BLOCK_SIZE + tile_off < ctx_len)
-            block_id = tl.load(bt_row + blk, mask=valid, other=0).to(tl.int64)
-            top = tl.maximum(top, tl.load(v_scale_ptr + block_id * stride_sb + kv_head * stride_sh
-                                          + tile_off, mask=valid, other=0.0))
-        v_top = _positive(tl.max(top, 0))
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -239,7 +223,8 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None],
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
-        acc = acc * alpha[:, None] + _pv(p, v_scale, v, v_top, DOT_PRECISION, QUANT, FP8_DOT)
+        acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT,
+                                                 INTERPRETED)
         m_i = m_new
 
     _store_split(acc, m_i, _row_denominator(l_i, FP8_DOT), out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
@@ -276,16 +261,15 @@ def _decode_reduce_kernel(
 
 
 def fp8_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether decode over ``cache`` runs its dots on fp16 inputs (``_softmax_tile``, ``_pv``): an
+    """Whether decode over ``cache`` runs its dots on 16-bit inputs (``_softmax_tile``, ``_pv``): an
     FP8 cache read by 16-bit queries. A float32 query keeps the float32 dots (the exact path)."""
     return cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def launch_config(cache: torch.Tensor,
-                  launch: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
-    """(tokens per iteration, warps, stages) for decode over ``cache``: ``launch`` when given (the
-    kernel benchmark's sweep), else the tuned one for its dtype."""
-    return launch or _LAUNCH["fp8" if cache.dtype == FP8 else "16-bit"]
+def launch_config(launch: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """(tokens per iteration, warps, stages) for decode: ``launch`` when given (the kernel
+    benchmark's sweep), else the tuned one."""
+    return launch or _LAUNCH
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -400,7 +384,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
 
     max_blocks = block_tables.shape[1]
-    tokens, warps, stages = launch_config(k_cache, launch)
+    tokens, warps, stages = launch_config(launch)
     key = (q.device, q.dtype, k_cache.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
            tokens, warps, stages)
     if blocks_per_split is None:
@@ -428,7 +412,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, tokens // block_size),
         MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct,
         DOT_PRECISION="ieee" if fp32 else "tf32", QUANT=scales is not None,
-        FP8_DOT=fp8_dot(q, k_cache), num_warps=warps, num_stages=stages,
+        FP8_DOT=fp8_dot(q, k_cache), INTERPRETED=not q.is_cuda, num_warps=warps,
+        num_stages=stages,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.fp8 import check_scales
-from oasiskv.kernels.paged_decode import (_load_q, _load_scales, _positive, _pv, _row_denominator,
+from oasiskv.kernels.paged_decode import (_load_q, _load_scales, _pv, _row_denominator,
                                           _softmax_tile, _fp16_query, _store_split, _wave_size,
                                           _zero_denominator,
                                           default_num_splits, fp8_dot, launch_config, merge_splits,
@@ -66,7 +66,7 @@ def _sparse_split_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DRAFT: tl.constexpr,
-    QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
+    QUANT: tl.constexpr, FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` (and, HAS_DRAFT, of
     its draft row ``draft_rows[pid(0)]`` when >= 0, program rows G..2G-1) over the slots of split
@@ -117,16 +117,6 @@ def _sparse_split_kernel(
     kt_in_slot = tile_off[None, :] * stride_kt + offs_d[:, None]
     v_in_slot = tile_off[:, None] * stride_vt + offs_d[None, :]
 
-    v_top = 1.0
-    if FP8_DOT:  # the split's largest V scale, for _pv (a pass over the scales: 4 of 132 bytes)
-        top = tl.zeros([TILE], tl.float32)
-        for slot0 in range(slot_start, slot_end, SLOTS_PER_ITER):
-            slot = slot0 + tile_slot
-            valid = _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off)
-            top = tl.maximum(top, tl.load(v_scale_ptr + scale_head + slot.to(tl.int64) * stride_sw
-                                          + tile_off, mask=valid, other=0.0))
-        v_top = _positive(tl.max(top, 0))
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -145,7 +135,8 @@ def _sparse_split_kernel(
         v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None],
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
-        acc = acc * alpha[:, None] + _pv(p, v_scale, v, v_top, DOT_PRECISION, QUANT, FP8_DOT)
+        acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT,
+                                                 INTERPRETED)
         m_i = m_new
     l_i = _row_denominator(l_i, FP8_DOT)
 
@@ -245,7 +236,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     if n == 0:
         return out
 
-    tokens, warps, stages = launch_config(ws_k)
+    tokens, warps, stages = launch_config()
     slots_per_iter = max(1, tokens // block_size)
     key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft)
     if num_splits is None:
@@ -276,7 +267,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32", HAS_DRAFT=has_draft,
-        QUANT=scales is not None, FP8_DOT=fp8_dot(q, ws_k), num_warps=warps, num_stages=stages,
+        QUANT=scales is not None, FP8_DOT=fp8_dot(q, ws_k), INTERPRETED=not q.is_cuda,
+        num_warps=warps, num_stages=stages,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE
