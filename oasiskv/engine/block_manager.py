@@ -53,8 +53,16 @@ class BlockManager(KVAllocator):
         seq.block_table += self._take_free(self.blocks_to_add(seq, num_new_tokens))
 
     def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s reference to each of its blocks; those no one references join the end of
+        the free list, its last block first (as ``_drop`` block by block, in one pass: a 32K-token
+        sequence frees 2,048 blocks)."""
+        refs, free = self.ref_counts, self.free_blocks
         for block in reversed(seq.block_table):
-            self._drop(block)
+            left = refs[block] - 1
+            refs[block] = left
+            if left <= 0:
+                assert left == 0, f"block {block} freed twice"
+                free[block] = None
         seq.block_table = []
         self._hashed.pop(seq.seq_id, None)
 

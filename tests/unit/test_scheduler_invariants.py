@@ -144,3 +144,23 @@ def test_holds_of_moving_prompt_kv_keep_invariants(ops, num_blocks, block_size):
         sched.abort(seq)
     bm.check_invariants([])
     assert bm.num_free_blocks == num_blocks and not bm.held
+
+
+def test_freed_blocks_join_the_free_list_last_block_first_and_shared_ones_stay():
+    """``free`` gives back a sequence's blocks in one pass with ``_drop``'s order: the blocks no one
+    references any more go to the end of the free list, the sequence's last block first (the prefix
+    cache hands out the oldest freed first, so a prompt's first blocks live longest)."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    first = Sequence(list(range(1, 7)), SamplingParams(max_tokens=1))
+    bm.allocate(first, 6)
+    first.num_computed_tokens = 6
+    bm.on_computed(first)
+    second = Sequence(list(range(1, 8)), SamplingParams(max_tokens=1))
+    assert bm.reuse_prefix(second) == 6 and second.block_table == [0, 1, 2]
+    bm.allocate(second, 1)
+    assert second.block_table == [0, 1, 2, 3]
+    bm.free(first)  # every block still in use by the second
+    assert list(bm.free_blocks) == [4, 5, 6, 7]
+    bm.free(second)
+    assert list(bm.free_blocks) == [4, 5, 6, 7, 3, 2, 1, 0]
+    bm.check_invariants([])
