@@ -224,7 +224,7 @@ def _decode_split_kernel(
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
         acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT,
-                                                 INTERPRETED)
+                                         INTERPRETED)
         m_i = m_new
 
     _store_split(acc, m_i, _row_denominator(l_i, FP8_DOT), out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,

@@ -136,7 +136,7 @@ def _sparse_split_kernel(
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
         acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT,
-                                                 INTERPRETED)
+                                         INTERPRETED)
         m_i = m_new
     l_i = _row_denominator(l_i, FP8_DOT)
 
