@@ -61,7 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"the server needs extra packages ({exc.name}): "
                          f"pip install 'oasiskv[server]'")
     pd = Disaggregation(args.role, tuple(args.prefill_url), args.remote_timeout,
-                        args.prefill_timeout, args.local_prefill_blocks)
+                        args.prefill_timeout, args.local_prefill_blocks, tuple(args.memory_url),
+                        args.offload_below_blocks)
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_waiting=args.max_waiting, served_model_name=args.served_model_name,
                  max_request_bytes=args.max_request_bytes, pd=pd)
@@ -126,14 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 33554432, 32 MiB)")
     srv.add_argument("--served-model-name", default=None,
                      help="model name in the API (default: folder name)")
-    srv.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+    srv.add_argument("--role", choices=("both", "prefill", "decode", "memory"), default="both",
                      help="disaggregated serving (tiered KV, NIXL: pip install 'oasiskv[pd]'): "
                           "'prefill' prefills prompts for decode workers and serves their KV; "
                           "'decode' is the OpenAI front end that sends each prompt to a prefill "
-                          "worker and reads its KV; 'both' does all on one node (default: both)")
+                          "worker and reads its KV; 'memory' holds prompt KV that prefill workers "
+                          "offload and serves it to decode workers; 'both' does all on one node "
+                          "(default: both)")
     srv.add_argument("--prefill-url", action="append", default=[], metavar="URL",
                      help="a prefill worker's base URL (--role decode; repeat for more: the one "
                           "with the fewest prompts in flight takes the next)")
+    srv.add_argument("--memory-url", action="append", default=[], metavar="URL",
+                     help="a memory worker's base URL (--role prefill; repeat for more): a "
+                          "prompt's KV moves there when this worker's host store runs short "
+                          "(--offload-below-blocks)")
+    srv.add_argument("--offload-below-blocks", type=int, default=None, metavar="N",
+                     help="--role prefill with --memory-url: offload a prompt's KV when fewer "
+                          "than N host blocks would stay free here (default: the blocks of one "
+                          "prompt of the longest length)")
     srv.add_argument("--pd-transfer", choices=("full",), default="full",
                      help="what a decode worker reads at admission: 'full' = every complete "
                           "prompt block it does not hold yet (default: full)")

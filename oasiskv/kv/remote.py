@@ -191,8 +191,9 @@ class RemoteReader:
         self.stats = ReadStats()
 
     def connect(self, descriptor: bytes) -> str:
-        """Add a peer from its ``RemoteStore.descriptor()``; returns its name. Its layout must be
-        the local store's but for the number of blocks."""
+        """Add a peer from its ``RemoteStore.descriptor()`` (once: a known peer's name comes back
+        as it is); returns its name. Its layout must be the local store's but for the number of
+        blocks."""
         try:
             d = json.loads(descriptor)
             metadata = base64.b64decode(d["metadata"])
@@ -206,6 +207,8 @@ class RemoteReader:
         if len(addrs) != len(_regions(self.local)):
             raise ValueError(f"peer {d.get('name')} has {len(addrs)} regions, this reader "
                              f"{len(_regions(self.local))} (FP8 scales on one side only?)")
+        if d.get("name") in self.peers:
+            return d["name"]
         name = self.agent.add_remote_agent(metadata)
         self.peers[name] = _Peer(tuple(addrs), shape[0])
         return name

@@ -34,8 +34,8 @@ from oasiskv.server.completions import OpenAIServing
 from oasiskv.server.errors import APIError
 from oasiskv.server.logprobs import TokenTable
 from oasiskv.server.metrics import Metrics
-from oasiskv.server.protocol import (ChatCompletionRequest, CompletionRequest, KVPrefillRequest,
-                                     KVReleaseRequest, ModelCard, ModelList)
+from oasiskv.server.protocol import (ChatCompletionRequest, CompletionRequest, KVOffloadRequest,
+                                     KVPrefillRequest, KVReleaseRequest, ModelCard, ModelList)
 
 logger = logging.getLogger(__name__)
 
@@ -142,28 +142,37 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 @dataclass(frozen=True)
 class Disaggregation:
-    """``serve --role``: ``both`` (one node, the default) or a prefill / decode worker
+    """``serve --role``: ``both`` (one node, the default) or a prefill / decode / memory worker
     (``server/disagg.py``). A decode worker sends prompts to ``prefill_urls``; ``remote_timeout_s``
     bounds a KV read and a control message, ``prefill_timeout_s`` a prefill worker's answer; a
     prompt with at most ``local_prefill_blocks`` complete blocks missing from the decode worker's
     own prefix cache is prefilled there instead (a repeated prompt, the next turn of a chat whose
-    earlier turns it decoded)."""
+    earlier turns it decoded). A prefill worker offloads a prompt's blocks to one of
+    ``memory_urls`` when fewer than ``offload_below_blocks`` host blocks would stay free (None:
+    one prompt of the longest length)."""
     role: str = "both"
     prefill_urls: tuple[str, ...] = ()
     remote_timeout_s: float = 10.0
     prefill_timeout_s: float = 300.0
     local_prefill_blocks: int = 0
+    memory_urls: tuple[str, ...] = ()
+    offload_below_blocks: int | None = None
 
     def __post_init__(self):
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role not in ("both", "prefill", "decode", "memory"):
+            raise ValueError(f"role must be both, prefill, decode or memory, got {self.role!r}")
         if self.role == "decode" and not self.prefill_urls:
             raise ValueError("--role decode needs at least one --prefill-url")
         if self.prefill_urls and self.role != "decode":
             raise ValueError("--prefill-url is for --role decode")
-        if self.local_prefill_blocks < 0:
-            raise ValueError(f"--local-prefill-blocks must be >= 0, got "
-                             f"{self.local_prefill_blocks}")
+        if self.memory_urls and self.role != "prefill":
+            raise ValueError("--memory-url is for --role prefill")
+        if self.offload_below_blocks is not None and not self.memory_urls:
+            raise ValueError("--offload-below-blocks needs a --memory-url")
+        for flag, value in (("--local-prefill-blocks", self.local_prefill_blocks),
+                            ("--offload-below-blocks", self.offload_below_blocks or 0)):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
 
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
@@ -188,7 +197,10 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                                       pd.local_prefill_blocks)
         serving.admit = service.admit
     elif pd.role == "prefill":
-        service = disagg.PrefillService(bridge, metrics.registry)
+        service = disagg.PrefillService(bridge, metrics.registry, pd.memory_urls,
+                                        pd.offload_below_blocks, api_key, pd.remote_timeout_s)
+    elif pd.role == "memory":
+        service = disagg.MemoryService(bridge, metrics.registry, pd.remote_timeout_s)
     else:
         service = None
 
@@ -251,18 +263,24 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
-    if pd.role == "prefill":
+    if pd.role in ("prefill", "memory"):
         @app.get("/v1/kv/descriptor")
         async def kv_descriptor():
             return service.descriptor()
 
+        @app.post("/v1/kv/release")
+        async def kv_release(body: KVReleaseRequest):
+            return await service.release(body.lease)
+
+    if pd.role == "prefill":
         @app.post("/v1/kv/prefill")
         async def kv_prefill(body: KVPrefillRequest):
             return await service.prefill(body.prompt_token_ids)
 
-        @app.post("/v1/kv/release")
-        async def kv_release(body: KVReleaseRequest):
-            return await service.release(body.lease)
+    if pd.role == "memory":
+        @app.post("/v1/kv/offload")
+        async def kv_offload(body: KVOffloadRequest):
+            return await service.offload(body.descriptor, body.blocks, body.prompt_token_ids)
 
     return app
 

@@ -1,7 +1,8 @@
-"""Disaggregated prefill and decode: ``oasiskv serve --role prefill`` and ``--role decode``.
+"""Disaggregated prefill and decode: ``oasiskv serve --role prefill``, ``--role decode`` and
+``--role memory``.
 
-Both roles run the tiered KV path (``--kv-mode oasis``) with the same model and KV flags; the prompt
-KV moves between their host stores over NIXL (UCX, one-sided READs of registered host memory,
+Every role runs the tiered KV path (``--kv-mode oasis``) with the same model and KV flags; the
+prompt KV moves between their host stores over NIXL (UCX, one-sided READs of registered host memory,
 ``kv/remote.py``), the control messages over HTTP. Transfer mode ``full`` (``--pd-transfer full``):
 the decode worker copies every complete prompt block it does not already hold before it admits the
 request.
@@ -21,6 +22,20 @@ At most ``--max-waiting`` leases are held at once (503 beyond). It serves the Op
 Between leases the blocks stay in its host store as cached prefix blocks (LRU), so a later prompt
 with the same prefix prefills only the rest there too.
 
+With ``--memory-url URL`` (repeatable) a prefill worker whose host store runs short (fewer than
+``--offload-below-blocks`` free blocks once a prompt's blocks are held; default: one prompt of the
+longest length) **offloads** them: it asks the memory worker with the fewest offloads in flight to
+take them, lets its own go, and answers ``{"lease", "blocks", "worker": the memory worker's URL}``;
+if no memory worker takes them it keeps them and answers as before.
+
+A **memory worker** holds prompt KV for decode workers as a prefill worker does (the same
+``descriptor`` and ``release``), but never prefills: ``POST /v1/kv/offload`` ``{"descriptor",
+"blocks", "prompt_token_ids"}`` reads those blocks from the offloading worker's store (one NIXL
+transfer, with a deadline) into its own, names them by their hashes and holds them under a lease
+(400 for a bad descriptor, 503 when full, 502 when the read fails). Released blocks stay cached,
+so a prompt that shares a prefix with one offloaded before reads only the rest. (It runs the engine
+for its host store's bookkeeping and block summaries, and serves the OpenAI routes too.)
+
 A **decode worker** (``--prefill-url URL``, repeatable) is the OpenAI front end. For each prompt,
 after tokenizing and checking it and before the engine sees it, it counts the prompt's complete
 blocks its own prefix cache does not hold: at most ``--local-prefill-blocks`` (default 0: none),
@@ -28,24 +43,29 @@ and the engine prefills the prompt here (a repeated prompt, or the next turn of 
 earlier turns this worker decoded: their blocks are cached here, not on any prefill worker). Else
 it asks the prefill worker with the fewest prompts in flight to prefill it, holds a host block per
 offered block (the one it already has under the same block hash, a prefix it has seen, or a fresh
-one), reads the missing blocks from that worker in one NIXL transfer with a deadline, writes their
-summaries, names them in its prefix cache and releases the lease; the request then prefills only
-the last partial block. A worker that cannot be reached (or whose read fails or times out) is
-marked down and the prompt goes to the next one; a down worker is probed on ``/health`` every
+one), reads the missing blocks from the worker that holds them (that prefill worker, or the memory
+worker it offloaded them to) in one NIXL transfer with a deadline, writes their summaries, names
+them in its prefix cache and releases the lease; the request then prefills only the last partial
+block. A prefill worker that cannot be reached (or whose read fails or times out) is marked down
+and the prompt goes to the next one (a memory worker's failure marks nobody down: the engine
+prefills that prompt here); a down worker is probed on ``/health`` every
 ``PROBE_S`` seconds and used again once it answers. With no worker left the request gets HTTP 503.
 Every wait has a deadline: an HTTP connection or control message and a NIXL read
 ``--remote-timeout``, a prefill answer ``--prefill-timeout``; a prompt waiting for its KV never
 holds up the engine, which keeps stepping the others. Requests already admitted never depend on a
 prefill worker again (their KV is local), so its failure ends no running request.
 
-/metrics (decode worker, each labelled ``worker`` = the prefill worker's URL):
+/metrics (decode worker, each labelled ``worker`` = the URL of the worker read from, or for the
+prefill histogram asked):
 ``oasiskv_pd_admission_bytes`` (bytes read at admission), ``oasiskv_pd_blocks_imported`` /
 ``oasiskv_pd_blocks_reused`` (read, or already held), ``oasiskv_pd_remote_reads`` /
 ``oasiskv_pd_remote_read_failures`` (NIXL transfers), ``oasiskv_pd_remote_read_seconds`` and
 ``oasiskv_pd_remote_prefill_seconds`` (histograms: a read, a prefill worker's answer), and
 ``oasiskv_pd_prefill_worker_up{url}``; unlabelled, ``oasiskv_pd_local_prefills`` (prompts
-prefilled here); (prefill worker) ``oasiskv_pd_leases``
-and ``oasiskv_pd_blocks_exported``.
+prefilled here); (prefill and memory worker) ``oasiskv_pd_leases`` and
+``oasiskv_pd_blocks_exported``; (prefill worker) ``oasiskv_pd_blocks_offloaded{worker}``; (memory
+worker) ``oasiskv_pd_blocks_stored`` / ``oasiskv_pd_blocks_kept`` (read from an offloading
+worker, or already held).
 """
 from __future__ import annotations
 
@@ -84,15 +104,87 @@ def _agent_name(role: str) -> str:
     return f"oasiskv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class PrefillService:
-    """The prefill worker's side: prefill, hold, release."""
+class _Tasks:
+    """Background coroutines a service starts and must see end before it closes."""
 
-    def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry, lease_s: float = 60.0):
+    def __init__(self):
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait(self, timeout_s: float) -> None:
+        for task in list(self._tasks):
+            await asyncio.wait([task], timeout=timeout_s)
+
+
+class _Puller:
+    """Reads the missing blocks of an import (``KVExchange.begin_import``) from a peer in one NIXL
+    transfer, polled from the event loop until the reader's deadline. On any failure the import is
+    given up, once nothing more can land in its blocks, and the error raised."""
+
+    def __init__(self, bridge: AsyncEngine, exchange: KVExchange, reader: RemoteReader,
+                 timeout_s: float):
+        self.bridge, self.exchange, self.reader = bridge, exchange, reader
+        self.timeout_s = timeout_s
+        self.tasks = _Tasks()
+
+    async def read(self, peer: str, imp, src: list[int]) -> None:
+        """Blocks ``src`` of ``peer`` into the import's missing blocks."""
+        try:
+            transfer = self.reader.read(peer, src, [imp.blocks[i] for i in imp.missing])
+        except BaseException:
+            await self.bridge.call(lambda: self.exchange.abort_import(imp))
+            raise
+        try:
+            while not transfer.done():
+                transfer.check_deadline()
+                await asyncio.sleep(_POLL_S)
+        except BaseException:
+            self.tasks.spawn(self._give_up(transfer, imp))
+            raise
+
+    async def _give_up(self, transfer, imp) -> None:
+        """Abort an import whose transfer failed or ran late, once the transfer is settled (a
+        transfer NIXL could not cancel may still write into the import's blocks); one that never
+        settles keeps them held, rather than let them be written after reuse."""
+        deadline = time.monotonic() + 10 * self.timeout_s
+        while not transfer.settled:
+            try:
+                transfer.done()
+            except RemoteReadError:
+                pass
+            if not transfer.settled and not transfer.cancel():
+                if time.monotonic() > deadline:
+                    logger.error("a failed KV read never settled: %d host blocks stay held",
+                                 len(imp.blocks))
+                    return
+                await asyncio.sleep(0.01)
+        try:
+            await self.bridge.call(lambda: self.exchange.abort_import(imp))
+        except APIError:  # shutting down
+            pass
+
+    async def close(self) -> None:
+        await self.tasks.wait(self.timeout_s)
+        self.reader.close()
+
+
+class _KVHolder:
+    """A worker that serves prompt blocks to readers (a prefill or memory worker): its host store
+    registered with a NIXL agent (``descriptor``), each prompt's blocks held under a lease until
+    ``release`` (or ``lease_s`` later); at most ``--max-waiting`` leases and prompts on their way
+    to one at once (held blocks are host memory)."""
+
+    def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry, role: str,
+                 lease_s: float = 60.0):
         self.bridge, self.lease_s = bridge, lease_s
         self.exchange = _exchange(bridge)
-        self.store = RemoteStore(self.exchange.kv.host, _agent_name("prefill"))
+        self.store = RemoteStore(self.exchange.kv.host, _agent_name(role))
         self.leases: dict[str, tuple[list[int], float]] = {}  # id -> (held blocks, expiry)
-        self._pending = 0  # prefills in flight, each to become a lease
+        self._pending = 0  # prompts in flight, each to become a lease
         self._leases = Gauge("oasiskv_pd_leases", "Prompt KV leases held for decode workers",
                              registry=registry)
         self._exported = Counter("oasiskv_pd_blocks_exported",
@@ -110,27 +202,14 @@ class PrefillService:
     def descriptor(self) -> dict:
         return {"descriptor": base64.b64encode(self.store.descriptor()).decode()}
 
-    async def prefill(self, prompt_token_ids: list[int]) -> dict:
-        ids = list(prompt_token_ids)
-        self.bridge.check_prompts([ids], 1)
+    def _check_room(self) -> None:
         held = len(self.leases) + self._pending
-        if held >= self.bridge.max_waiting:  # held blocks are host memory: bounded
-            raise APIError(503, f"{held} prompt KV leases are held or being prefilled (limit "
+        if held >= self.bridge.max_waiting:
+            raise APIError(503, f"{held} prompt KV leases are held or on their way (limit "
                                 f"{self.bridge.max_waiting}, --max-waiting); retry later",
                            code="overloaded", headers={"Retry-After": "1"})
-        self._pending += 1
-        try:
-            handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
-                                                                     temperature=0.0)], 1)
-            try:
-                async for _ in handle.outputs():
-                    pass
-            finally:
-                handle.abort()  # (a no-op once finished)
-            blocks = await self.bridge.call(lambda: self.exchange.export(ids),
-                                            undo=self.exchange.release)
-        finally:
-            self._pending -= 1
+
+    def _lease(self, blocks: list[int]) -> dict:
         lease = uuid.uuid4().hex
         self.leases[lease] = (blocks, time.monotonic() + self.lease_s)
         self._leases.set(len(self.leases))
@@ -156,6 +235,158 @@ class PrefillService:
                     return
                 except Exception:  # noqa: BLE001 (the loop must go on)
                     logger.exception("releasing an expired lease failed")
+
+
+class PrefillService(_KVHolder):
+    """The prefill worker's side: prefill, hold (or offload to a memory worker), release."""
+
+    def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry,
+                 memory_urls: tuple[str, ...] = (), offload_below_blocks: int | None = None,
+                 api_key: str | None = None, timeout_s: float = 10.0, lease_s: float = 60.0):
+        """``memory_urls``: memory workers to offload prompt blocks to when fewer than
+        ``offload_below_blocks`` host blocks would stay free here (default: one prompt of the
+        longest length)."""
+        super().__init__(bridge, registry, "prefill", lease_s)
+        self.memory = [_Worker(url.rstrip("/")) for url in memory_urls]
+        block = self.exchange.kv.layout.block_size
+        self.offload_below = (offload_below_blocks if offload_below_blocks is not None
+                              else -(-bridge.engine.max_model_len // block))
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client: httpx.AsyncClient | None = None
+        self._offloaded = Counter("oasiskv_pd_blocks_offloaded",
+                                  "Host blocks handed to memory workers", ["worker"],
+                                  registry=registry)
+        for w in self.memory:
+            self._offloaded.labels(w.url)
+
+    def start(self) -> None:
+        super().start()
+        if self.memory:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+        await super().close()
+
+    async def prefill(self, prompt_token_ids: list[int]) -> dict:
+        ids = list(prompt_token_ids)
+        self.bridge.check_prompts([ids], 1)
+        self._check_room()
+        self._pending += 1
+        try:
+            handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
+                                                                     temperature=0.0)], 1)
+            try:
+                async for _ in handle.outputs():
+                    pass
+            finally:
+                handle.abort()  # (a no-op once finished)
+            blocks, full = await self.bridge.call(
+                lambda: (self.exchange.export(ids),
+                         self.exchange.allocator.num_free_blocks < self.offload_below),
+                undo=lambda held: self.exchange.release(held[0]))
+            if full and blocks and self.memory:
+                moved = await self._offload(ids, blocks)
+                if moved is not None:
+                    await self.bridge.call(lambda: self.exchange.release(blocks))
+                    return moved
+        finally:
+            self._pending -= 1
+        return self._lease(blocks)
+
+    async def _offload(self, ids: list[int], blocks: list[int]) -> dict | None:
+        """Hand a prompt's held blocks to the memory worker with the fewest in flight: it reads
+        them and holds its copy under its own lease. Its answer, with ``worker`` (its URL: where
+        the decode worker reads them and releases the lease); None when no memory worker took
+        them (this worker keeps them)."""
+        body = {"descriptor": self.descriptor()["descriptor"], "blocks": blocks,
+                "prompt_token_ids": ids}
+        for worker in sorted(self.memory, key=lambda w: w.inflight):
+            worker.inflight += 1
+            try:
+                resp = await self._client.post(
+                    worker.url + "/v1/kv/offload", json=body,
+                    timeout=httpx.Timeout(2 * self.timeout_s, connect=self.timeout_s))
+                resp.raise_for_status()
+                answer = resp.json()
+                held = {"lease": str(answer["lease"]), "blocks": [int(b) for b in answer["blocks"]],
+                        "worker": worker.url}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                logger.warning("offloading a prompt's KV to memory worker %s failed: %s: %s",
+                               worker.url, type(exc).__name__, exc)
+                continue
+            finally:
+                worker.inflight -= 1
+            self._offloaded.labels(worker.url).inc(len(blocks))
+            return held
+        return None
+
+
+class MemoryService(_KVHolder):
+    """The memory worker's side: takes the blocks of prompts that prefill workers offload (reads
+    them from the prefill worker's store over NIXL into its own) and serves them to decode
+    workers under leases, as a prefill worker does. Released blocks stay cached by their hashes
+    (LRU), so a prompt that shares a prefix with one offloaded before reads only the rest."""
+
+    def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry, timeout_s: float = 10.0,
+                 lease_s: float = 60.0):
+        super().__init__(bridge, registry, "memory", lease_s)
+        reader = RemoteReader(self.exchange.kv.host, _agent_name("memory-reader"), timeout_s)
+        self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
+        self._stored = Counter("oasiskv_pd_blocks_stored",
+                               "Host blocks read from prefill workers that offloaded them",
+                               registry=registry)
+        self._kept = Counter("oasiskv_pd_blocks_kept",
+                             "Offloaded host blocks this worker already held (same prefix)",
+                             registry=registry)
+
+    async def close(self) -> None:
+        await self.puller.close()
+        await super().close()
+
+    async def offload(self, descriptor: str, blocks: list[int],
+                      prompt_token_ids: list[int]) -> dict:
+        """Read ``blocks`` (the first complete blocks of ``prompt_token_ids``) from the store
+        ``descriptor`` names and hold them under a lease. APIError: 400 for a bad descriptor or
+        more blocks than the prompt has, 503 when full, 502 when the read fails."""
+        ids = list(prompt_token_ids)
+        hashes = self.exchange.prompt_hashes(ids)
+        if len(blocks) > len(hashes):
+            raise APIError(400, f"{len(blocks)} blocks offered for a prompt of {len(hashes)} "
+                                "complete blocks", param="blocks")
+        try:
+            peer = self.puller.reader.connect(base64.b64decode(descriptor))
+        except ValueError as exc:
+            raise APIError(400, f"bad descriptor: {exc}", param="descriptor") from None
+        self._check_room()
+        self._pending += 1
+        try:
+            hashes = hashes[:len(blocks)]
+            try:
+                imp = await self.bridge.call(lambda: self.exchange.begin_import(hashes),
+                                             undo=self.exchange.abort_import)
+            except RuntimeError as exc:
+                raise APIError(503, f"no room for the prompt's KV: {exc}", code="overloaded",
+                               headers={"Retry-After": "1"}) from None
+            if imp.missing:
+                try:
+                    await self.puller.read(peer, imp, [blocks[i] for i in imp.missing])
+                except (RemoteReadError, TimeoutError, ValueError) as exc:
+                    raise APIError(502, f"reading the offloaded KV failed: {exc}",
+                                   code="remote_read_failed") from None
+
+            def keep():  # (engine thread) name the new blocks, then hold the prompt's prefix
+                self.exchange.finish_import(imp)
+                return self.exchange.export(ids)
+
+            held = await self.bridge.call(keep, undo=self.exchange.release)
+        finally:
+            self._pending -= 1
+        self._stored.inc(len(imp.missing))
+        self._kept.inc(len(imp.blocks) - len(imp.missing))
+        return self._lease(held)
 
 
 class _Busy(Exception):
@@ -185,12 +416,14 @@ class DecodeRouter:
         self.bridge, self.timeout_s, self.prefill_timeout_s = bridge, timeout_s, prefill_timeout_s
         self.local_prefill_blocks = local_prefill_blocks
         self.exchange = _exchange(bridge)
-        self.reader = RemoteReader(self.exchange.kv.host, _agent_name("decode"), timeout_s)
+        reader = RemoteReader(self.exchange.kv.host, _agent_name("decode"), timeout_s)
+        self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
         self.workers = [_Worker(url.rstrip("/")) for url in urls]
+        self.holders: dict[str, str] = {}  # memory worker URL -> its NIXL peer
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
         self._probe: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = _Tasks()
         by_worker = ["worker"]  # every counter per prefill worker (its URL)
         self._bytes = Counter("oasiskv_pd_admission_bytes",
                               "Bytes of prompt KV read from prefill workers at admission",
@@ -233,11 +466,10 @@ class DecodeRouter:
     async def close(self) -> None:
         if self._probe is not None:
             self._probe.cancel()
-        for task in list(self._tasks):
-            await asyncio.wait([task], timeout=self.timeout_s)
+        await self._tasks.wait(self.timeout_s)
         if self._client is not None:
             await self._client.aclose()
-        self.reader.close()
+        await self.puller.close()
 
     async def admit(self, prompts: list[list[int]]) -> None:
         """Bring in each prompt's complete prefix KV. Raises ``APIError``: 503 when this server
@@ -307,7 +539,7 @@ class DecodeRouter:
         if worker.peer is None:
             d = await self._checked(worker, await self._client.get(worker.url
                                                                    + "/v1/kv/descriptor"))
-            worker.peer = self.reader.connect(base64.b64decode(d["descriptor"]))
+            worker.peer = self.puller.reader.connect(base64.b64decode(d["descriptor"]))
         peer = worker.peer  # (a failure elsewhere may reset the worker's meanwhile)
         start = time.monotonic()
         answer = await self._checked(worker, await self._client.post(
@@ -315,7 +547,17 @@ class DecodeRouter:
             timeout=httpx.Timeout(self.prefill_timeout_s, connect=self.timeout_s)))
         self._prefill.labels(worker.url).observe(time.monotonic() - start)
         lease, offered = answer["lease"], answer["blocks"]
+        # the blocks sit on a memory worker when the prefill worker offloaded them; that worker's
+        # failure is not the prefill worker's: the engine then prefills the prompt here
+        holder = answer.get("worker") or worker.url
         try:
+            if holder != worker.url:
+                try:
+                    peer = await self._holder_peer(holder)
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    logger.warning("memory worker %s cannot be reached (%s: %s); the engine "
+                                   "prefills the prompt", holder, type(exc).__name__, exc)
+                    return
             try:
                 offered_hashes = hashes[:len(offered)]
                 imp = await self.bridge.call(lambda: self.exchange.begin_import(offered_hashes),
@@ -324,71 +566,54 @@ class DecodeRouter:
                 logger.warning("no host blocks to import a prompt's KV into (%s)", exc)
                 return
             if imp.missing:
-                await self._read(worker, peer, imp, [offered[i] for i in imp.missing])
+                try:
+                    await self._read(holder, peer, imp, [offered[i] for i in imp.missing])
+                except (RemoteReadError, TimeoutError, ValueError) as exc:
+                    if holder == worker.url:
+                        raise
+                    logger.warning("reading a prompt's KV from memory worker %s failed (%s: %s);"
+                                   " the engine prefills the prompt", holder,
+                                   type(exc).__name__, exc)
+                    self.holders.pop(holder, None)
+                    return
             try:
                 await self.bridge.call(lambda: self.exchange.finish_import(imp))
             except Exception:  # noqa: BLE001 (APIError: shutting down)
                 logger.exception("importing a prompt's KV failed; the engine prefills it")
                 return
-            self._imported.labels(worker.url).inc(len(imp.missing))
-            self._reused.labels(worker.url).inc(len(imp.blocks) - len(imp.missing))
+            self._imported.labels(holder).inc(len(imp.missing))
+            self._reused.labels(holder).inc(len(imp.blocks) - len(imp.missing))
         finally:
-            self._spawn(self._release(worker, lease))
+            self._tasks.spawn(self._release(holder, lease))
 
-    async def _read(self, worker: _Worker, peer: str, imp, src: list[int]) -> None:
-        """Blocks ``src`` of ``worker`` into the import's missing blocks, one transfer (counted
-        here: the reader's own totals mix the reads other prompts have in flight). On any
-        failure the import is given up, once nothing more can land in its blocks."""
+    async def _holder_peer(self, url: str) -> str:
+        """The NIXL peer of the memory worker at ``url`` (connected once)."""
+        if url not in self.holders:
+            resp = await self._client.get(url + "/v1/kv/descriptor")
+            resp.raise_for_status()
+            self.holders[url] = self.puller.reader.connect(
+                base64.b64decode(resp.json()["descriptor"]))
+        return self.holders[url]
+
+    async def _read(self, url: str, peer: str, imp, src: list[int]) -> None:
+        """Blocks ``src`` of the worker at ``url`` into the import's missing blocks, one transfer
+        (counted here, per worker: the reader's own totals mix the reads other prompts have in
+        flight)."""
         start = time.monotonic()
-        self._reads.labels(worker.url).inc()
+        self._reads.labels(url).inc()
         try:
-            transfer = self.reader.read(peer, src, [imp.blocks[i] for i in imp.missing])
+            await self.puller.read(peer, imp, src)
         except BaseException:
-            self._failures.labels(worker.url).inc()
-            await self.bridge.call(lambda: self.exchange.abort_import(imp))
+            self._failures.labels(url).inc()
             raise
-        try:
-            while not transfer.done():
-                transfer.check_deadline()
-                await asyncio.sleep(_POLL_S)
-        except BaseException:
-            self._failures.labels(worker.url).inc()
-            self._spawn(self._give_up(transfer, imp))
-            raise
-        self._latency.labels(worker.url).observe(time.monotonic() - start)
-        self._bytes.labels(worker.url).inc(len(src) * self.exchange.block_bytes)
+        self._latency.labels(url).observe(time.monotonic() - start)
+        self._bytes.labels(url).inc(len(src) * self.exchange.block_bytes)
 
-    async def _give_up(self, transfer, imp) -> None:
-        """Abort an import whose transfer failed or ran late, once the transfer is settled (a
-        transfer NIXL could not cancel may still write into the import's blocks); one that never
-        settles keeps them held, rather than let them be written after reuse."""
-        deadline = time.monotonic() + 10 * self.timeout_s
-        while not transfer.settled:
-            try:
-                transfer.done()
-            except RemoteReadError:
-                pass
-            if not transfer.settled and not transfer.cancel():
-                if time.monotonic() > deadline:
-                    logger.error("a failed KV read never settled: %d host blocks stay held",
-                                 len(imp.blocks))
-                    return
-                await asyncio.sleep(0.01)
+    async def _release(self, url: str, lease: str) -> None:
         try:
-            await self.bridge.call(lambda: self.exchange.abort_import(imp))
-        except APIError:  # shutting down
-            pass
-
-    async def _release(self, worker: _Worker, lease: str) -> None:
-        try:
-            await self._client.post(worker.url + "/v1/kv/release", json={"lease": lease})
+            await self._client.post(url + "/v1/kv/release", json={"lease": lease})
         except httpx.HTTPError as exc:  # the lease expires there by itself
-            logger.warning("releasing a lease on %s failed: %s", worker.url, exc)
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            logger.warning("releasing a lease on %s failed: %s", url, exc)
 
     def _mark_down(self, worker: _Worker, exc: BaseException) -> None:
         logger.warning("prefill worker %s marked down: %s: %s", worker.url,

@@ -123,8 +123,17 @@ class KVPrefillRequest(_Request):
 
 
 class KVReleaseRequest(_Request):
-    """Disaggregated serving, to a prefill worker: let go of a lease's blocks."""
+    """Disaggregated serving, to a prefill or memory worker: let go of a lease's blocks."""
     lease: str = Field(max_length=64)
+
+
+class KVOffloadRequest(_Request):
+    """Disaggregated serving, a prefill worker to a memory worker: read ``blocks`` (the complete
+    blocks of ``prompt_token_ids``, in chain order) from the store ``descriptor`` describes
+    (base64 of ``RemoteStore.descriptor()``) and hold them under a lease."""
+    descriptor: str = Field(max_length=1 << 20)
+    blocks: list[int] = Field(min_length=1)
+    prompt_token_ids: list[int] = Field(min_length=2)
 
 
 # ---- responses ---------------------------------------------------------------------------------

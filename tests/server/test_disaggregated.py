@@ -134,6 +134,84 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
     assert "Traceback" not in (tmp_path / "decode.log").read_text()
 
 
+@pytest.fixture
+def launch(tmp_path, fixtures_path):
+    """``launch(name, *flags)``: a server of the fixture target with FLAGS and ``flags``, logging
+    to ``tmp_path / name.log``; every one is stopped at the end."""
+    started = []
+
+    def start(name: str, *flags: str) -> ServerProcess:
+        started.append(ServerProcess(tmp_path / f"{name}.log", str(fixtures_path / "target"),
+                                     *FLAGS, *flags))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def released(server: ServerProcess, timeout: float = 10.0) -> bool:
+    """Whether ``server`` (a prefill or memory worker) holds no lease within ``timeout`` (decode
+    workers release in the background)."""
+    deadline = time.monotonic() + timeout
+    while server.metrics()["oasiskv_pd_leases"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.metrics()["oasiskv_pd_leases"] == 0
+
+
+def test_a_prefill_worker_offloads_to_a_memory_worker(launch, tmp_path, fixtures_path):
+    """A prefill worker whose host store runs short (here always: --offload-below-blocks above
+    its size) hands each prompt's blocks to a memory worker, which reads them over NIXL and serves
+    them to the decode worker: the single-node tokens, the blocks counted on every side, every
+    lease released. A prompt sharing a prefix with one offloaded before: the memory worker reads
+    only the rest. With the memory worker gone, the prefill worker keeps the blocks and serves
+    them itself."""
+    rng = random.Random(5)
+    base = [rng.randrange(5, 4000) for _ in range(150)]
+    prompts = [base, base + [rng.randrange(5, 4000) for _ in range(70)]]  # 9 and 13 blocks
+    single = launch("single")
+    want = [answer(complete(single, ids)) for ids in prompts]
+    memory = launch("memory", "--role", "memory")
+    prefill = launch("prefill", "--role", "prefill", "--memory-url", memory.url,
+                     "--offload-below-blocks", "1000000")
+    decode = launch("decode", "--role", "decode", "--prefill-url", prefill.url)
+    assert [answer(complete(decode, ids)) for ids in prompts] == want
+
+    assert released(memory) and released(prefill)
+    m, p, d = pd_metrics(memory), pd_metrics(prefill), pd_metrics(decode)
+    assert p["oasiskv_pd_blocks_offloaded_total"] == 9 + 13
+    assert p["oasiskv_pd_blocks_exported_total"] == 0  # no lease of its own
+    assert m["oasiskv_pd_blocks_stored_total"] == 13  # the second prompt's first 9 were kept
+    assert m["oasiskv_pd_blocks_kept_total"] == 9
+    assert m["oasiskv_pd_blocks_exported_total"] == 9 + 13
+    assert d["oasiskv_pd_blocks_imported_total"] == 13  # (9 of the second held already)
+    assert d["oasiskv_pd_blocks_reused_total"] == 9
+    assert d["oasiskv_pd_admission_bytes_total"] == 13 * block_bytes(fixtures_path)
+    body = httpx.get(decode.url + "/metrics").text
+    assert f'oasiskv_pd_remote_reads_total{{worker="{memory.url}"}} 2.0' in body
+    # bad offers: clear 400s, nothing held
+    from tests.server.server_process import assert_openai_error
+    ids = list(range(5, 30))  # one complete block before its last token
+    source = httpx.get(prefill.url + "/v1/kv/descriptor").json()["descriptor"]
+    for offer, param in [({"descriptor": "bm90IGpzb24=", "blocks": [0]}, "descriptor"),
+                         ({"descriptor": source, "blocks": [0, 1]}, "blocks")]:
+        resp = httpx.post(memory.url + "/v1/kv/offload", json={**offer, "prompt_token_ids": ids})
+        assert_openai_error(resp, 400, param)
+    assert memory.metrics()["oasiskv_pd_leases"] == 0
+
+    memory.stop(signal.SIGKILL)
+    fresh = [rng.randrange(5, 4000) for _ in range(60)]
+    assert answer(complete(decode, fresh)) == answer(complete(single, fresh))
+    assert released(prefill)
+    p, d = pd_metrics(prefill), pd_metrics(decode)
+    assert p["oasiskv_pd_blocks_offloaded_total"] == 9 + 13
+    assert p["oasiskv_pd_blocks_exported_total"] == 59 // BLOCK
+    assert d["oasiskv_pd_blocks_imported_total"] == 13 + 59 // BLOCK
+    assert decode.wait_idle()["oasiskv_num_requests_running"] == 0
+    for name in ("decode", "prefill"):
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
+
+
 def test_a_silent_prefill_worker_stalls_only_its_prompt(tmp_path, fixtures_path):
     target = str(fixtures_path / "target")
     silent = socket.socket()  # accepts connections (the kernel's backlog), never answers
@@ -206,7 +284,11 @@ def test_roles_refuse_what_they_cannot_do(tmp_path, fixtures_path):
     target = str(fixtures_path / "target")
     for flags, message in [(("--role", "decode"), "needs at least one --prefill-url"),
                            (("--role", "prefill", "--kv-mode", "dense"), "kv-mode oasis"),
-                           (("--prefill-url", "http://127.0.0.1:1"), "is for --role decode")]:
+                           (("--role", "memory", "--kv-mode", "dense"), "kv-mode oasis"),
+                           (("--prefill-url", "http://127.0.0.1:1"), "is for --role decode"),
+                           (("--memory-url", "http://127.0.0.1:1"), "is for --role prefill"),
+                           (("--role", "prefill", "--offload-below-blocks", "4"),
+                            "needs a --memory-url")]:
         with pytest.raises(RuntimeError, match=message):
             ServerProcess(tmp_path / "bad.log", target, "--dtype", "float32", *flags)
 
