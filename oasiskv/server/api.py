@@ -35,7 +35,7 @@ from oasiskv.server.errors import APIError
 from oasiskv.server.logprobs import TokenTable
 from oasiskv.server.metrics import Metrics
 from oasiskv.server.protocol import (ChatCompletionRequest, CompletionRequest, KVOffloadRequest,
-                                     KVPrefillRequest, KVReleaseRequest, ModelCard, ModelList)
+                                     KVPromptRequest, KVReleaseRequest, ModelCard, ModelList)
 
 logger = logging.getLogger(__name__)
 
@@ -274,10 +274,14 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
 
     if pd.role == "prefill":
         @app.post("/v1/kv/prefill")
-        async def kv_prefill(body: KVPrefillRequest):
+        async def kv_prefill(body: KVPromptRequest):
             return await service.prefill(body.prompt_token_ids)
 
     if pd.role == "memory":
+        @app.post("/v1/kv/lookup")
+        async def kv_lookup(body: KVPromptRequest):
+            return await service.lookup(body.prompt_token_ids)
+
         @app.post("/v1/kv/offload")
         async def kv_offload(body: KVOffloadRequest):
             return await service.offload(body.descriptor, body.blocks, body.prompt_token_ids)

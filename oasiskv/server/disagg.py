@@ -33,7 +33,12 @@ A **memory worker** holds prompt KV for decode workers as a prefill worker does 
 "blocks", "prompt_token_ids"}`` reads those blocks from the offloading worker's store (one NIXL
 transfer, with a deadline) into its own, names them by their hashes and holds them under a lease
 (400 for a bad descriptor, 503 when full, 502 when the read fails). Released blocks stay cached,
-so a prompt that shares a prefix with one offloaded before reads only the rest. (It runs the engine
+so a prompt that shares a prefix with one offloaded before reads only the rest. ``POST
+/v1/kv/lookup`` ``{"prompt_token_ids"}`` holds the longest leading run of a prompt's complete
+blocks it has under a lease (``{"lease": null, "blocks": []}`` when none): before prefilling a
+prompt, a prefill worker with memory workers asks them, and reads the prefix from the first that
+holds more of it than its own prefix cache, so it prefills only the rest (a failure there costs
+only that prefill). (It runs the engine
 for its host store's bookkeeping and block summaries, and serves the OpenAI routes too.)
 
 A **decode worker** (``--prefill-url URL``, repeatable) is the OpenAI front end. For each prompt,
@@ -63,9 +68,9 @@ prefill histogram asked):
 ``oasiskv_pd_remote_prefill_seconds`` (histograms: a read, a prefill worker's answer), and
 ``oasiskv_pd_prefill_worker_up{url}``; unlabelled, ``oasiskv_pd_local_prefills`` (prompts
 prefilled here); (prefill and memory worker) ``oasiskv_pd_leases`` and
-``oasiskv_pd_blocks_exported``; (prefill worker) ``oasiskv_pd_blocks_offloaded{worker}``; (memory
-worker) ``oasiskv_pd_blocks_stored`` / ``oasiskv_pd_blocks_kept`` (read from an offloading
-worker, or already held).
+``oasiskv_pd_blocks_exported``; (prefill worker) ``oasiskv_pd_blocks_offloaded{worker}`` and
+``oasiskv_pd_prefix_blocks_fetched{worker}``; (memory worker) ``oasiskv_pd_blocks_stored`` /
+``oasiskv_pd_blocks_kept`` (read from an offloading worker, or already held).
 """
 from __future__ import annotations
 
@@ -102,6 +107,26 @@ def _exchange(bridge: AsyncEngine) -> KVExchange:
 
 def _agent_name(role: str) -> str:
     return f"oasiskv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+async def _connect(client: httpx.AsyncClient, reader: RemoteReader, url: str) -> str:
+    """Connect ``reader`` to the KV store of the worker at ``url`` (its ``/v1/kv/descriptor``);
+    returns the NIXL peer. Raises ``httpx.HTTPError`` or ``ValueError``."""
+    resp = await client.get(url + "/v1/kv/descriptor")
+    resp.raise_for_status()
+    try:
+        descriptor = base64.b64decode(resp.json()["descriptor"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{url} sent no KV store descriptor") from exc
+    return reader.connect(descriptor)
+
+
+async def _release(client: httpx.AsyncClient, url: str, lease: str) -> None:
+    """Let go of a lease on the worker at ``url`` (a failure only logs: it expires there)."""
+    try:
+        await client.post(url + "/v1/kv/release", json={"lease": lease})
+    except httpx.HTTPError as exc:
+        logger.warning("releasing a lease on %s failed: %s", url, exc)
 
 
 class _Tasks:
@@ -238,16 +263,23 @@ class _KVHolder:
 
 
 class PrefillService(_KVHolder):
-    """The prefill worker's side: prefill, hold (or offload to a memory worker), release."""
+    """The prefill worker's side: prefill (after reading a prefix a memory worker holds), hold (or
+    offload to a memory worker), release."""
 
     def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry,
                  memory_urls: tuple[str, ...] = (), offload_below_blocks: int | None = None,
                  api_key: str | None = None, timeout_s: float = 10.0, lease_s: float = 60.0):
         """``memory_urls``: memory workers to offload prompt blocks to when fewer than
         ``offload_below_blocks`` host blocks would stay free here (default: one prompt of the
-        longest length)."""
+        longest length), and to read a prompt's prefix from when they hold more of it than this
+        worker's prefix cache."""
         super().__init__(bridge, registry, "prefill", lease_s)
         self.memory = [_Worker(url.rstrip("/")) for url in memory_urls]
+        self.puller = None
+        if self.memory:
+            reader = RemoteReader(self.exchange.kv.host, _agent_name("prefill-reader"), timeout_s)
+            self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
+        self._tasks = _Tasks()
         block = self.exchange.kv.layout.block_size
         self.offload_below = (offload_below_blocks if offload_below_blocks is not None
                               else -(-bridge.engine.max_model_len // block))
@@ -257,8 +289,12 @@ class PrefillService(_KVHolder):
         self._offloaded = Counter("oasiskv_pd_blocks_offloaded",
                                   "Host blocks handed to memory workers", ["worker"],
                                   registry=registry)
+        self._fetched = Counter("oasiskv_pd_prefix_blocks_fetched",
+                                "Prompt prefix blocks read from memory workers instead of "
+                                "prefilled", ["worker"], registry=registry)
         for w in self.memory:
             self._offloaded.labels(w.url)
+            self._fetched.labels(w.url)
 
     def start(self) -> None:
         super().start()
@@ -266,8 +302,11 @@ class PrefillService(_KVHolder):
             self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
 
     async def close(self) -> None:
+        await self._tasks.wait(self.timeout_s)
         if self._client is not None:
             await self._client.aclose()
+        if self.puller is not None:
+            await self.puller.close()
         await super().close()
 
     async def prefill(self, prompt_token_ids: list[int]) -> dict:
@@ -276,6 +315,8 @@ class PrefillService(_KVHolder):
         self._check_room()
         self._pending += 1
         try:
+            if self.memory:
+                await self._fetch_prefix(ids)
             handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
                                                                      temperature=0.0)], 1)
             try:
@@ -295,6 +336,45 @@ class PrefillService(_KVHolder):
         finally:
             self._pending -= 1
         return self._lease(blocks)
+
+    async def _fetch_prefix(self, ids: list[int]) -> None:
+        """Read the prompt's leading complete blocks from the first memory worker that holds more
+        of them than this worker's prefix cache (a prefix offloaded before), so that the engine
+        prefills only the rest. A failure costs only the prefill of those blocks."""
+        hashes = self.exchange.prompt_hashes(ids)
+        here = len(hashes) - await self.bridge.call(lambda: self.exchange.uncached(hashes))
+        if here == len(hashes):
+            return
+        for worker in sorted(self.memory, key=lambda w: w.inflight):
+            worker.inflight += 1
+            lease = None
+            try:
+                resp = await self._client.post(worker.url + "/v1/kv/lookup",
+                                               json={"prompt_token_ids": ids})
+                resp.raise_for_status()
+                answer = resp.json()
+                lease, offered = answer["lease"], [int(b) for b in answer["blocks"]]
+                if len(offered) <= here:
+                    continue
+                if worker.peer is None:
+                    worker.peer = await _connect(self._client, self.puller.reader, worker.url)
+                imp = await self.bridge.call(
+                    lambda n=len(offered): self.exchange.begin_import(hashes[:n]),
+                    undo=self.exchange.abort_import)
+                if imp.missing:
+                    await self.puller.read(worker.peer, imp, [offered[i] for i in imp.missing])
+                await self.bridge.call(lambda: self.exchange.finish_import(imp))
+                self._fetched.labels(worker.url).inc(len(imp.missing))
+                return
+            except (httpx.HTTPError, RemoteReadError, TimeoutError, RuntimeError, ValueError,
+                    KeyError, TypeError) as exc:
+                logger.warning("reading a prompt's prefix from memory worker %s failed (%s: %s)",
+                               worker.url, type(exc).__name__, exc)
+                worker.peer = None
+            finally:
+                worker.inflight -= 1
+                if lease is not None:
+                    self._tasks.spawn(_release(self._client, worker.url, lease))
 
     async def _offload(self, ids: list[int], blocks: list[int]) -> dict | None:
         """Hand a prompt's held blocks to the memory worker with the fewest in flight: it reads
@@ -345,6 +425,15 @@ class MemoryService(_KVHolder):
     async def close(self) -> None:
         await self.puller.close()
         await super().close()
+
+    async def lookup(self, prompt_token_ids: list[int]) -> dict:
+        """Hold the longest leading run of the prompt's complete blocks this worker has under a
+        lease: ``{"lease", "blocks"}`` (``{"lease": None, "blocks": []}`` when it has none)."""
+        ids = list(prompt_token_ids)
+        self._check_room()
+        blocks = await self.bridge.call(lambda: self.exchange.export(ids),
+                                        undo=self.exchange.release)
+        return self._lease(blocks) if blocks else {"lease": None, "blocks": []}
 
     async def offload(self, descriptor: str, blocks: list[int],
                       prompt_token_ids: list[int]) -> dict:
@@ -554,7 +643,7 @@ class DecodeRouter:
             if holder != worker.url:
                 try:
                     peer = await self._holder_peer(holder)
-                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                except (httpx.HTTPError, ValueError) as exc:
                     logger.warning("memory worker %s cannot be reached (%s: %s); the engine "
                                    "prefills the prompt", holder, type(exc).__name__, exc)
                     return
@@ -584,15 +673,12 @@ class DecodeRouter:
             self._imported.labels(holder).inc(len(imp.missing))
             self._reused.labels(holder).inc(len(imp.blocks) - len(imp.missing))
         finally:
-            self._tasks.spawn(self._release(holder, lease))
+            self._tasks.spawn(_release(self._client, holder, lease))
 
     async def _holder_peer(self, url: str) -> str:
         """The NIXL peer of the memory worker at ``url`` (connected once)."""
         if url not in self.holders:
-            resp = await self._client.get(url + "/v1/kv/descriptor")
-            resp.raise_for_status()
-            self.holders[url] = self.puller.reader.connect(
-                base64.b64decode(resp.json()["descriptor"]))
+            self.holders[url] = await _connect(self._client, self.puller.reader, url)
         return self.holders[url]
 
     async def _read(self, url: str, peer: str, imp, src: list[int]) -> None:
@@ -608,12 +694,6 @@ class DecodeRouter:
             raise
         self._latency.labels(url).observe(time.monotonic() - start)
         self._bytes.labels(url).inc(len(src) * self.exchange.block_bytes)
-
-    async def _release(self, url: str, lease: str) -> None:
-        try:
-            await self._client.post(url + "/v1/kv/release", json={"lease": lease})
-        except httpx.HTTPError as exc:  # the lease expires there by itself
-            logger.warning("releasing a lease on %s failed: %s", url, exc)
 
     def _mark_down(self, worker: _Worker, exc: BaseException) -> None:
         logger.warning("prefill worker %s marked down: %s: %s", worker.url,

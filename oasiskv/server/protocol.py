@@ -117,8 +117,9 @@ class ChatCompletionRequest(SamplingRequest):
                 + (["response_format"] if rf and rf.get("type") != "text" else []))
 
 
-class KVPrefillRequest(_Request):
-    """Disaggregated serving, to a prefill worker: prefill these tokens and hold their KV."""
+class KVPromptRequest(_Request):
+    """Disaggregated serving: a prompt's token ids, to a prefill worker (prefill them and hold
+    their KV) or a memory worker (hold the KV of the prompt's prefix it has)."""
     prompt_token_ids: list[int] = Field(min_length=1)
 
 

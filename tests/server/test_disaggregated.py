@@ -164,7 +164,8 @@ def test_a_prefill_worker_offloads_to_a_memory_worker(launch, tmp_path, fixtures
     its size) hands each prompt's blocks to a memory worker, which reads them over NIXL and serves
     them to the decode worker: the single-node tokens, the blocks counted on every side, every
     lease released. A prompt sharing a prefix with one offloaded before: the memory worker reads
-    only the rest. With the memory worker gone, the prefill worker keeps the blocks and serves
+    only the rest. Another prefill worker reads such a prefix from the memory worker instead of
+    prefilling it. With the memory worker gone, the prefill worker keeps the blocks and serves
     them itself."""
     rng = random.Random(5)
     base = [rng.randrange(5, 4000) for _ in range(150)]
@@ -183,7 +184,8 @@ def test_a_prefill_worker_offloads_to_a_memory_worker(launch, tmp_path, fixtures
     assert p["oasiskv_pd_blocks_exported_total"] == 0  # no lease of its own
     assert m["oasiskv_pd_blocks_stored_total"] == 13  # the second prompt's first 9 were kept
     assert m["oasiskv_pd_blocks_kept_total"] == 9
-    assert m["oasiskv_pd_blocks_exported_total"] == 9 + 13
+    # (and 9 offered to the prefill worker's lookup for the second prompt: it held them already)
+    assert m["oasiskv_pd_blocks_exported_total"] == 9 + 13 + 9
     assert d["oasiskv_pd_blocks_imported_total"] == 13  # (9 of the second held already)
     assert d["oasiskv_pd_blocks_reused_total"] == 9
     assert d["oasiskv_pd_admission_bytes_total"] == 13 * block_bytes(fixtures_path)
@@ -198,6 +200,21 @@ def test_a_prefill_worker_offloads_to_a_memory_worker(launch, tmp_path, fixtures
         resp = httpx.post(memory.url + "/v1/kv/offload", json={**offer, "prompt_token_ids": ids})
         assert_openai_error(resp, 400, param)
     assert memory.metrics()["oasiskv_pd_leases"] == 0
+
+    # a prefill worker with an empty prefix cache reads a prefix the memory worker holds (13
+    # blocks) instead of prefilling it, and prefills only the rest; its KV gives the same tokens
+    reader = launch("prefill-2", "--role", "prefill", "--memory-url", memory.url,
+                    "--offload-below-blocks", "0")  # (never offloads)
+    longer = prompts[1] + [rng.randrange(5, 4000) for _ in range(30)]
+    held = httpx.post(reader.url + "/v1/kv/prefill", json={"prompt_token_ids": longer},
+                      timeout=120).json()
+    assert len(held["blocks"]) == (len(longer) - 1) // BLOCK and "worker" not in held
+    httpx.post(reader.url + "/v1/kv/release", json={"lease": held["lease"]})
+    r = pd_metrics(reader)
+    assert r["oasiskv_pd_prefix_blocks_fetched_total"] == 13
+    assert r["oasiskv_prompt_tokens_total"] == len(longer) - 13 * BLOCK
+    assert answer(complete(reader, longer)) == answer(complete(single, longer))
+    assert released(memory) and released(reader)
 
     memory.stop(signal.SIGKILL)
     fresh = [rng.randrange(5, 4000) for _ in range(60)]
