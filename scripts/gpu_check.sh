@@ -142,10 +142,13 @@ for stage in $stages; do
         | tee "$OUT/pd_smoke.log" | grep -v '^{' | tail -6
       summary+=("pd-smoke: $(tail -1 "$OUT/pd_smoke.log" | cut -c1-300)") ;;
     pd-bench)  # 2 GPUs: one node vs a prefill worker (GPU 1) + decode worker (GPU 0), prompt KV over
-      # NIXL; PD_REQUESTS (default 32) concurrent 32K prompts, 64 tokens each
+      # NIXL; PD_REQUESTS (default 32) concurrent 32K prompts, 64 tokens each; PD_SETUPS (default
+      # single,pd; add pd-memory for a memory worker on GPU 1 too, with PD_SHARES="--gpu-memory-
+      # utilization 0.45" for it and the prefill worker, and host RAM for three HOST_GIB stores)
       need fastapi uvicorn pydantic httpx nixl-cu13
       python3 scripts/pd_bench.py "${BENCH_MODEL:-qwen3-8b}" --context 32768 --requests "${PD_REQUESTS:-32}" \
-        --max-tokens 64 --prefill-gpu 1 --decode-gpu 0 -- --kv-mode oasis --host-kv-gib "$HOST_GIB" \
+        --max-tokens 64 --prefill-gpu 1 --decode-gpu 0 --setups "${PD_SETUPS:-single,pd}" \
+        --prefill-flags "${PD_SHARES:-}" --memory-flags "${PD_SHARES:-}" -- --kv-mode oasis --host-kv-gib "$HOST_GIB" \
         --draft ngram --kv-cache-dtype "$KV_DTYPE" 2>&1 | tee "$OUT/pd_bench.log" | grep -v '^{' | tail -8
       summary+=("pd-bench: see table above") ;;
     kernels)

@@ -1,5 +1,7 @@
 """Disaggregated serving under load: one node (``--role both``) against a prefill worker plus a
-decode worker (``--role prefill`` / ``--role decode``, prompt KV over NIXL), same load.
+decode worker (``--role prefill`` / ``--role decode``, prompt KV over NIXL), and optionally the
+same with a memory worker every prompt's KV is offloaded to (``--setups ...,pd-memory``), same
+load.
 
 python scripts/pd_bench.py qwen3-8b --context 32768 --requests 32 --max-tokens 64 \\
     --prefill-gpu 1 --decode-gpu 0 -- --kv-mode oasis --host-kv-gib 96 --draft ngram
@@ -100,7 +102,12 @@ def _flags(parser) -> None:
                              "GPU both workers use: --gpu-memory-utilization counts the other "
                              "process's memory as used, so the worker started second, the "
                              "decode worker, asks for both shares)")
-    parser.add_argument("--setups", default="single,pd", help="which setups to run, in order")
+    parser.add_argument("--memory-flags", default="",
+                        help="more serve flags for the memory worker only (setup pd-memory; it "
+                             "runs on the prefill worker's GPU, started before it)")
+    parser.add_argument("--setups", default="single,pd",
+                        help="which setups to run, in order: single, pd, pd-memory (pd with a "
+                             "memory worker that every prompt's KV is offloaded to)")
 
 
 def main() -> int:
@@ -111,14 +118,20 @@ def main() -> int:
         try:
             if setup == "single":
                 servers.append(Server(args, extra, args.decode_gpu))
-            elif setup == "pd":
-                prefill = Server(args, extra, args.prefill_gpu, "--role", "prefill",
+            elif setup in ("pd", "pd-memory"):
+                offload = []
+                if setup == "pd-memory":
+                    memory = Server(args, extra, args.prefill_gpu, "--role", "memory",
+                                    *shlex.split(args.memory_flags))
+                    servers.append(memory)
+                    offload = ["--memory-url", memory.url, "--offload-below-blocks", str(2**40)]
+                prefill = Server(args, extra, args.prefill_gpu, "--role", "prefill", *offload,
                                  *shlex.split(args.prefill_flags))
                 servers.append(prefill)
                 servers.append(Server(args, extra, args.decode_gpu, "--role", "decode",
                                       "--prefill-url", prefill.url))
             else:
-                raise SystemExit(f"unknown setup {setup!r} (single, pd)")
+                raise SystemExit(f"unknown setup {setup!r} (single, pd, pd-memory)")
             points[setup] = run_load(args, servers[-1])
         finally:
             for s in servers:
