@@ -100,17 +100,23 @@ class KVExchange:
             raise
         return Import(hashes, cached + fresh, list(range(len(cached), len(hashes))))
 
-    def finish_import(self, imp: Import) -> None:
-        """The missing blocks' bytes are in: summarise them, name each by its hash, let go (let go
-        in any case: a failure leaves the fresh blocks unnamed, never held)."""
+    def finish_import(self, imp: Import, keep: bool = False) -> list[int]:
+        """The missing blocks' bytes are in: summarise them, name each by its hash, let go; with
+        ``keep`` the holds pass to the caller instead (to ``release`` ``imp.blocks``, returned,
+        later: a memory worker serves them on). A failure lets go in any case and leaves the fresh
+        blocks unnamed."""
         try:
             if imp.missing:
                 fresh = [imp.blocks[i] for i in imp.missing]
                 self.kv.summarise(torch.tensor(fresh, dtype=torch.long, device=self.kv.device))
                 for i in imp.missing:
                     self.allocator.register(imp.blocks[i], imp.hashes[i])
-        finally:
+        except BaseException:
             self.allocator.release(imp.blocks)
+            raise
+        if not keep:
+            self.allocator.release(imp.blocks)
+        return imp.blocks
 
     def abort_import(self, imp: Import) -> None:
         """Let go of an import whose bytes did not arrive (its fresh blocks stay unnamed)."""

@@ -221,6 +221,8 @@ class RemoteReader:
         """Start copying blocks ``src_blocks`` of ``peer`` into local blocks ``dst_blocks`` (equal
         length sequences of ids), at ``layer`` only or whole (``layer=None``), as one transfer."""
         info = self.peers[peer]
+        if min(src_blocks, default=0) < 0 or min(dst_blocks, default=0) < 0:
+            raise ValueError("negative block id")
         src = np.asarray(src_blocks, dtype=np.uint64)
         dst = np.asarray(dst_blocks, dtype=np.uint64)
         if src.shape != dst.shape or src.ndim != 1 or src.size == 0:

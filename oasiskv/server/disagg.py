@@ -24,16 +24,18 @@ with the same prefix prefills only the rest there too.
 
 With ``--memory-url URL`` (repeatable) a prefill worker whose host store runs short (fewer than
 ``--offload-below-blocks`` free blocks once a prompt's blocks are held; default: one prompt of the
-longest length) **offloads** them: it asks the memory worker with the fewest offloads in flight to
+longest length) **offloads** them: it asks the memory worker with the fewest requests in flight to
 take them, lets its own go, and answers ``{"lease", "blocks", "worker": the memory worker's URL}``;
-if no memory worker takes them it keeps them and answers as before.
+if no memory worker takes them all it keeps them and answers as before. A memory worker that
+fails is skipped for ``PROBE_S`` seconds, here and by decode workers (which then prefill the
+prompts whose KV it holds themselves).
 
 A **memory worker** holds prompt KV for decode workers as a prefill worker does (the same
 ``descriptor`` and ``release``), but never prefills: ``POST /v1/kv/offload`` ``{"descriptor",
 "blocks", "prompt_token_ids"}`` reads those blocks from the offloading worker's store (one NIXL
 transfer, with a deadline) into its own, names them by their hashes and holds them under a lease
-(400 for a bad descriptor, 503 when full, 502 when the read fails). Released blocks stay cached,
-so a prompt that shares a prefix with one offloaded before reads only the rest. ``POST
+(400 for a bad descriptor or block ids, 503 when full, 502 when the read fails). Released blocks
+stay cached, so a prompt that shares a prefix with one offloaded before reads only the rest. ``POST
 /v1/kv/lookup`` ``{"prompt_token_ids"}`` holds the longest leading run of a prompt's complete
 blocks it has under a lease (``{"lease": null, "blocks": []}`` when none): before prefilling a
 prompt, a prefill worker with memory workers asks them, and reads the prefix from the first that
@@ -101,7 +103,8 @@ _POLL_S = 0.0005  # between two polls of a NIXL transfer in flight
 def _exchange(bridge: AsyncEngine) -> KVExchange:
     engine = bridge.engine
     if engine.config.tensor_parallel_size > 1:
-        raise ValueError("--role prefill / decode run one rank (--tensor-parallel-size 1)")
+        raise ValueError("--role prefill / decode / memory run one rank "
+                         "(--tensor-parallel-size 1)")
     return KVExchange(engine.runner.backend)
 
 
@@ -210,10 +213,10 @@ class _KVHolder:
         self.store = RemoteStore(self.exchange.kv.host, _agent_name(role))
         self.leases: dict[str, tuple[list[int], float]] = {}  # id -> (held blocks, expiry)
         self._pending = 0  # prompts in flight, each to become a lease
-        self._leases = Gauge("oasiskv_pd_leases", "Prompt KV leases held for decode workers",
-                             registry=registry)
+        self._leases = Gauge("oasiskv_pd_leases", "Prompt KV leases held for readers (decode "
+                             "workers; prefill workers' prefix lookups)", registry=registry)
         self._exported = Counter("oasiskv_pd_blocks_exported",
-                                 "Host blocks offered to decode workers", registry=registry)
+                                 "Host blocks offered to readers under leases", registry=registry)
         self._expiry: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -329,13 +332,36 @@ class PrefillService(_KVHolder):
                          self.exchange.allocator.num_free_blocks < self.offload_below),
                 undo=lambda held: self.exchange.release(held[0]))
             if full and blocks and self.memory:
-                moved = await self._offload(ids, blocks)
+                try:
+                    moved = await self._offload(ids, blocks)
+                except BaseException:  # (cancelled: the blocks must not stay held)
+                    self._tasks.spawn(self._let_go(blocks))
+                    raise
                 if moved is not None:
-                    await self.bridge.call(lambda: self.exchange.release(blocks))
+                    self._tasks.spawn(self._let_go(blocks))
                     return moved
         finally:
             self._pending -= 1
         return self._lease(blocks)
+
+    async def _let_go(self, blocks: list[int]) -> None:
+        try:
+            await self.bridge.call(lambda: self.exchange.release(blocks))
+        except APIError:  # shutting down
+            pass
+
+    def _memory_workers(self) -> list[_Worker]:
+        """The memory workers to ask, the fewest requests in flight first; one that failed is
+        skipped for ``PROBE_S`` seconds (a hung one must not slow every prompt)."""
+        now = time.monotonic()
+        return sorted((w for w in self.memory if w.up or now - w.last_probe >= PROBE_S),
+                      key=lambda w: w.inflight)
+
+    @staticmethod
+    def _failed(worker: _Worker, what: str, exc: BaseException) -> None:
+        logger.warning("%s memory worker %s failed (%s: %s); skipped for %.0f s", what,
+                       worker.url, type(exc).__name__, exc, PROBE_S)
+        worker.up, worker.last_probe, worker.peer = False, time.monotonic(), None
 
     async def _fetch_prefix(self, ids: list[int]) -> None:
         """Read the prompt's leading complete blocks from the first memory worker that holds more
@@ -345,7 +371,7 @@ class PrefillService(_KVHolder):
         here = len(hashes) - await self.bridge.call(lambda: self.exchange.uncached(hashes))
         if here == len(hashes):
             return
-        for worker in sorted(self.memory, key=lambda w: w.inflight):
+        for worker in self._memory_workers():
             worker.inflight += 1
             lease = None
             try:
@@ -354,36 +380,39 @@ class PrefillService(_KVHolder):
                 resp.raise_for_status()
                 answer = resp.json()
                 lease, offered = answer["lease"], [int(b) for b in answer["blocks"]]
+                worker.up = True
                 if len(offered) <= here:
                     continue
-                if worker.peer is None:
-                    worker.peer = await _connect(self._client, self.puller.reader, worker.url)
-                imp = await self.bridge.call(
-                    lambda n=len(offered): self.exchange.begin_import(hashes[:n]),
-                    undo=self.exchange.abort_import)
+                peer = worker.peer or await _connect(self._client, self.puller.reader, worker.url)
+                worker.peer = peer
+                try:
+                    imp = await self.bridge.call(
+                        lambda n=len(offered): self.exchange.begin_import(hashes[:n]),
+                        undo=self.exchange.abort_import)
+                except RuntimeError as exc:  # no room here for now: prefill them
+                    logger.warning("no host blocks to read a prompt's prefix into (%s)", exc)
+                    return
                 if imp.missing:
-                    await self.puller.read(worker.peer, imp, [offered[i] for i in imp.missing])
+                    await self.puller.read(peer, imp, [offered[i] for i in imp.missing])
                 await self.bridge.call(lambda: self.exchange.finish_import(imp))
                 self._fetched.labels(worker.url).inc(len(imp.missing))
                 return
-            except (httpx.HTTPError, RemoteReadError, TimeoutError, RuntimeError, ValueError,
-                    KeyError, TypeError) as exc:
-                logger.warning("reading a prompt's prefix from memory worker %s failed (%s: %s)",
-                               worker.url, type(exc).__name__, exc)
-                worker.peer = None
+            except (httpx.HTTPError, RemoteReadError, TimeoutError, ValueError, KeyError,
+                    TypeError) as exc:
+                self._failed(worker, "reading a prompt's prefix from", exc)
             finally:
                 worker.inflight -= 1
                 if lease is not None:
                     self._tasks.spawn(_release(self._client, worker.url, lease))
 
     async def _offload(self, ids: list[int], blocks: list[int]) -> dict | None:
-        """Hand a prompt's held blocks to the memory worker with the fewest in flight: it reads
-        them and holds its copy under its own lease. Its answer, with ``worker`` (its URL: where
-        the decode worker reads them and releases the lease); None when no memory worker took
-        them (this worker keeps them)."""
+        """Hand a prompt's held blocks to a memory worker (``_memory_workers`` order): it reads
+        them and holds its copy of every one under its own lease. Its answer, with ``worker`` (its
+        URL: where the decode worker reads them and releases the lease); None when no memory
+        worker took them all (this worker keeps them)."""
         body = {"descriptor": self.descriptor()["descriptor"], "blocks": blocks,
                 "prompt_token_ids": ids}
-        for worker in sorted(self.memory, key=lambda w: w.inflight):
+        for worker in self._memory_workers():
             worker.inflight += 1
             try:
                 resp = await self._client.post(
@@ -393,12 +422,15 @@ class PrefillService(_KVHolder):
                 answer = resp.json()
                 held = {"lease": str(answer["lease"]), "blocks": [int(b) for b in answer["blocks"]],
                         "worker": worker.url}
+                if len(held["blocks"]) != len(blocks):
+                    self._tasks.spawn(_release(self._client, worker.url, held["lease"]))
+                    raise ValueError(f"it holds {len(held['blocks'])} of {len(blocks)} blocks")
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("offloading a prompt's KV to memory worker %s failed: %s: %s",
-                               worker.url, type(exc).__name__, exc)
+                self._failed(worker, "offloading a prompt's KV to", exc)
                 continue
             finally:
                 worker.inflight -= 1
+            worker.up = True
             self._offloaded.labels(worker.url).inc(len(blocks))
             return held
         return None
@@ -431,15 +463,20 @@ class MemoryService(_KVHolder):
         lease: ``{"lease", "blocks"}`` (``{"lease": None, "blocks": []}`` when it has none)."""
         ids = list(prompt_token_ids)
         self._check_room()
-        blocks = await self.bridge.call(lambda: self.exchange.export(ids),
-                                        undo=self.exchange.release)
+        self._pending += 1
+        try:
+            blocks = await self.bridge.call(lambda: self.exchange.export(ids),
+                                            undo=self.exchange.release)
+        finally:
+            self._pending -= 1
         return self._lease(blocks) if blocks else {"lease": None, "blocks": []}
 
     async def offload(self, descriptor: str, blocks: list[int],
                       prompt_token_ids: list[int]) -> dict:
         """Read ``blocks`` (the first complete blocks of ``prompt_token_ids``) from the store
-        ``descriptor`` names and hold them under a lease. APIError: 400 for a bad descriptor or
-        more blocks than the prompt has, 503 when full, 502 when the read fails."""
+        ``descriptor`` names and hold every one under a lease. APIError: 400 for a bad descriptor,
+        more blocks than the prompt has or a block id outside that store, 503 when full, 502 when
+        the read fails."""
         ids = list(prompt_token_ids)
         hashes = self.exchange.prompt_hashes(ids)
         if len(blocks) > len(hashes):
@@ -449,6 +486,10 @@ class MemoryService(_KVHolder):
             peer = self.puller.reader.connect(base64.b64decode(descriptor))
         except ValueError as exc:
             raise APIError(400, f"bad descriptor: {exc}", param="descriptor") from None
+        size = self.puller.reader.peers[peer].num_blocks
+        if not all(0 <= b < size for b in blocks):
+            raise APIError(400, f"a block id outside the offering store's {size} blocks",
+                           param="blocks")
         self._check_room()
         self._pending += 1
         try:
@@ -465,12 +506,8 @@ class MemoryService(_KVHolder):
                 except (RemoteReadError, TimeoutError, ValueError) as exc:
                     raise APIError(502, f"reading the offloaded KV failed: {exc}",
                                    code="remote_read_failed") from None
-
-            def keep():  # (engine thread) name the new blocks, then hold the prompt's prefix
-                self.exchange.finish_import(imp)
-                return self.exchange.export(ids)
-
-            held = await self.bridge.call(keep, undo=self.exchange.release)
+            held = await self.bridge.call(lambda: self.exchange.finish_import(imp, keep=True),
+                                          undo=self.exchange.release)
         finally:
             self._pending -= 1
         self._stored.inc(len(imp.missing))
@@ -509,22 +546,24 @@ class DecodeRouter:
         self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
         self.workers = [_Worker(url.rstrip("/")) for url in urls]
         self.holders: dict[str, str] = {}  # memory worker URL -> its NIXL peer
+        self._holder_failed: dict[str, float] = {}  # memory worker URL -> when it last failed
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
         self._probe: asyncio.Task | None = None
         self._tasks = _Tasks()
         by_worker = ["worker"]  # every counter per prefill worker (its URL)
         self._bytes = Counter("oasiskv_pd_admission_bytes",
-                              "Bytes of prompt KV read from prefill workers at admission",
+                              "Bytes of prompt KV read from prefill or memory workers at admission",
                               by_worker, registry=registry)
         self._imported = Counter("oasiskv_pd_blocks_imported",
-                                 "Host blocks read from prefill workers", by_worker,
+                                 "Host blocks read from prefill or memory workers", by_worker,
                                  registry=registry)
         self._reused = Counter("oasiskv_pd_blocks_reused",
                                "Offered host blocks this decode host already held (same prefix)",
                                by_worker, registry=registry)
-        self._reads = Counter("oasiskv_pd_remote_reads", "NIXL transfers from prefill workers",
-                              by_worker, registry=registry)
+        self._reads = Counter("oasiskv_pd_remote_reads",
+                              "NIXL transfers from prefill or memory workers", by_worker,
+                              registry=registry)
         self._failures = Counter("oasiskv_pd_remote_read_failures",
                                  "NIXL transfers that failed or timed out", by_worker,
                                  registry=registry)
@@ -641,11 +680,12 @@ class DecodeRouter:
         holder = answer.get("worker") or worker.url
         try:
             if holder != worker.url:
+                if time.monotonic() - self._holder_failed.get(holder, -PROBE_S) < PROBE_S:
+                    return  # it failed just now: the engine prefills the prompt
                 try:
                     peer = await self._holder_peer(holder)
                 except (httpx.HTTPError, ValueError) as exc:
-                    logger.warning("memory worker %s cannot be reached (%s: %s); the engine "
-                                   "prefills the prompt", holder, type(exc).__name__, exc)
+                    self._holder_down(holder, exc)
                     return
             try:
                 offered_hashes = hashes[:len(offered)]
@@ -660,10 +700,7 @@ class DecodeRouter:
                 except (RemoteReadError, TimeoutError, ValueError) as exc:
                     if holder == worker.url:
                         raise
-                    logger.warning("reading a prompt's KV from memory worker %s failed (%s: %s);"
-                                   " the engine prefills the prompt", holder,
-                                   type(exc).__name__, exc)
-                    self.holders.pop(holder, None)
+                    self._holder_down(holder, exc)
                     return
             try:
                 await self.bridge.call(lambda: self.exchange.finish_import(imp))
@@ -674,6 +711,14 @@ class DecodeRouter:
             self._reused.labels(holder).inc(len(imp.blocks) - len(imp.missing))
         finally:
             self._tasks.spawn(_release(self._client, holder, lease))
+
+    def _holder_down(self, url: str, exc: BaseException) -> None:
+        """A memory worker failed: prompts whose KV it holds are prefilled here, for ``PROBE_S``
+        seconds without trying it (a hung one must not make every such prompt wait)."""
+        logger.warning("memory worker %s failed (%s: %s); the engine prefills the prompts whose "
+                       "KV it holds", url, type(exc).__name__, exc)
+        self.holders.pop(url, None)
+        self._holder_failed[url] = time.monotonic()
 
     async def _holder_peer(self, url: str) -> str:
         """The NIXL peer of the memory worker at ``url`` (connected once)."""

@@ -88,6 +88,18 @@ def test_a_prefix_the_decode_host_holds_is_not_read_again(tiny):
     imp = dst.begin_import(dst.prompt_hashes(longer)[:len(second)])
     assert imp.missing == list(range(len(first), len(second)))
     dst.abort_import(imp)
+    # a memory worker keeps what it imports held, to serve it on: named, and held until released
+    src_blocks = prefill_and_export(prefill, longer)
+    imp = dst.begin_import(dst.prompt_hashes(longer)[:len(src_blocks)])
+    copy_blocks(src, dst, [src_blocks[i] for i in imp.missing],
+                [imp.blocks[i] for i in imp.missing])
+    kept = dst.finish_import(imp, keep=True)
+    src.release(src_blocks)
+    assert kept == imp.blocks and all(dst.allocator.held[b] == 1 for b in kept)
+    assert dst.uncached(dst.prompt_hashes(longer)) == 0
+    dst.release(kept)
+    assert not dst.allocator.held
+    dst.allocator.check_invariants([])
 
 
 def test_a_full_host_store_or_too_many_holds_refuse_with_nothing_held(tiny):

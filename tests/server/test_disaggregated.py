@@ -196,7 +196,9 @@ def test_a_prefill_worker_offloads_to_a_memory_worker(launch, tmp_path, fixtures
     ids = list(range(5, 30))  # one complete block before its last token
     source = httpx.get(prefill.url + "/v1/kv/descriptor").json()["descriptor"]
     for offer, param in [({"descriptor": "bm90IGpzb24=", "blocks": [0]}, "descriptor"),
-                         ({"descriptor": source, "blocks": [0, 1]}, "blocks")]:
+                         ({"descriptor": source, "blocks": [0, 1]}, "blocks"),
+                         ({"descriptor": source, "blocks": [-1]}, "blocks"),
+                         ({"descriptor": source, "blocks": [10**9]}, "blocks")]:
         resp = httpx.post(memory.url + "/v1/kv/offload", json={**offer, "prompt_token_ids": ids})
         assert_openai_error(resp, 400, param)
     assert memory.metrics()["oasiskv_pd_leases"] == 0
