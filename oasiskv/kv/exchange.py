@@ -28,6 +28,10 @@ import torch
 MAX_HELD_SHARE = 0.5
 
 
+class NoRoom(RuntimeError):
+    """An import that would need more free host blocks, or more holds, than there are now."""
+
+
 @dataclass
 class Import:
     """One prompt's import: ``blocks[i]`` (held) receives offered block ``i``; only the blocks at
@@ -87,17 +91,17 @@ class KVExchange:
     def begin_import(self, hashes: list[int]) -> Import:
         """Hold a host block for each of the offered complete blocks of a prompt (the first of its
         ``prompt_hashes``): the cached one where this store has it, else a fresh one to read into.
-        Raises ``RuntimeError`` (nothing held) when the store has too few free blocks or the holds
-        would pass their bound."""
+        Raises ``NoRoom`` (nothing held) when the store has too few free blocks or the holds would
+        pass their bound."""
         if not self._room(len(hashes)):
-            raise RuntimeError(f"exchanges hold {sum(self.allocator.held.values())} host blocks "
-                               f"(at most {self.max_held}): no room for {len(hashes)} more")
+            raise NoRoom(f"exchanges hold {sum(self.allocator.held.values())} host blocks "
+                         f"(at most {self.max_held}): no room for {len(hashes)} more")
         cached = self.allocator.hold_cached(hashes)
         try:
             fresh = self.allocator.hold_new(len(hashes) - len(cached))
-        except RuntimeError:
+        except RuntimeError as exc:
             self.allocator.release(cached)
-            raise
+            raise NoRoom(str(exc)) from None
         return Import(hashes, cached + fresh, list(range(len(cached), len(hashes))))
 
     def finish_import(self, imp: Import, keep: bool = False) -> list[int]:

@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from oasiskv.kv.exchange import KVExchange
+from oasiskv.kv.exchange import Import, KVExchange, NoRoom
 from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.server.async_engine import AsyncEngine
@@ -149,9 +149,10 @@ class _Tasks:
 
 
 class _Puller:
-    """Reads the missing blocks of an import (``KVExchange.begin_import``) from a peer in one NIXL
-    transfer, polled from the event loop until the reader's deadline. On any failure the import is
-    given up, once nothing more can land in its blocks, and the error raised."""
+    """Imports blocks from a peer (``pull``: the one import sequence of every role) and reads the
+    missing blocks of an import (``read``) in one NIXL transfer, polled from the event loop until
+    the reader's deadline. On any failure the import is given up, once nothing more can land in
+    its blocks, and the error raised."""
 
     def __init__(self, bridge: AsyncEngine, exchange: KVExchange, reader: RemoteReader,
                  timeout_s: float):
@@ -159,7 +160,22 @@ class _Puller:
         self.timeout_s = timeout_s
         self.tasks = _Tasks()
 
-    async def read(self, peer: str, imp, src: list[int]) -> None:
+    async def pull(self, peer: str, hashes: list[int], offered: list[int], keep: bool = False,
+                   read=None) -> Import:
+        """Import blocks ``offered`` of ``peer`` (its ids of the blocks named ``hashes``): hold a
+        block here for each (``begin_import``: ``NoRoom`` when there is no room, nothing held),
+        read the missing ones (``read(peer, imp, src)``, default ``self.read``: its errors
+        propagate, the import given up), then name them (``finish_import``, which passes the holds
+        on with ``keep``)."""
+        imp = await self.bridge.call(lambda: self.exchange.begin_import(hashes),
+                                     undo=self.exchange.abort_import)
+        if imp.missing:
+            await (read or self.read)(peer, imp, [offered[i] for i in imp.missing])
+        await self.bridge.call(lambda: self.exchange.finish_import(imp, keep),
+                               undo=self.exchange.release if keep else None)
+        return imp
+
+    async def read(self, peer: str, imp: Import, src: list[int]) -> None:
         """Blocks ``src`` of ``peer`` into the import's missing blocks."""
         try:
             transfer = self.reader.read(peer, src, [imp.blocks[i] for i in imp.missing])
@@ -386,15 +402,10 @@ class PrefillService(_KVHolder):
                 peer = worker.peer or await _connect(self._client, self.puller.reader, worker.url)
                 worker.peer = peer
                 try:
-                    imp = await self.bridge.call(
-                        lambda n=len(offered): self.exchange.begin_import(hashes[:n]),
-                        undo=self.exchange.abort_import)
-                except RuntimeError as exc:  # no room here for now: prefill them
+                    imp = await self.puller.pull(peer, hashes[:len(offered)], offered)
+                except NoRoom as exc:  # no room here for now: prefill them
                     logger.warning("no host blocks to read a prompt's prefix into (%s)", exc)
                     return
-                if imp.missing:
-                    await self.puller.read(peer, imp, [offered[i] for i in imp.missing])
-                await self.bridge.call(lambda: self.exchange.finish_import(imp))
                 self._fetched.labels(worker.url).inc(len(imp.missing))
                 return
             except (httpx.HTTPError, RemoteReadError, TimeoutError, ValueError, KeyError,
@@ -493,26 +504,18 @@ class MemoryService(_KVHolder):
         self._check_room()
         self._pending += 1
         try:
-            hashes = hashes[:len(blocks)]
-            try:
-                imp = await self.bridge.call(lambda: self.exchange.begin_import(hashes),
-                                             undo=self.exchange.abort_import)
-            except RuntimeError as exc:
-                raise APIError(503, f"no room for the prompt's KV: {exc}", code="overloaded",
-                               headers={"Retry-After": "1"}) from None
-            if imp.missing:
-                try:
-                    await self.puller.read(peer, imp, [blocks[i] for i in imp.missing])
-                except (RemoteReadError, TimeoutError, ValueError) as exc:
-                    raise APIError(502, f"reading the offloaded KV failed: {exc}",
-                                   code="remote_read_failed") from None
-            held = await self.bridge.call(lambda: self.exchange.finish_import(imp, keep=True),
-                                          undo=self.exchange.release)
+            imp = await self.puller.pull(peer, hashes[:len(blocks)], blocks, keep=True)
+        except NoRoom as exc:
+            raise APIError(503, f"no room for the prompt's KV: {exc}", code="overloaded",
+                           headers={"Retry-After": "1"}) from None
+        except (RemoteReadError, TimeoutError, ValueError) as exc:
+            raise APIError(502, f"reading the offloaded KV failed: {exc}",
+                           code="remote_read_failed") from None
         finally:
             self._pending -= 1
         self._stored.inc(len(imp.missing))
         self._kept.inc(len(imp.blocks) - len(imp.missing))
-        return self._lease(held)
+        return self._lease(imp.blocks)
 
 
 class _Busy(Exception):
@@ -688,23 +691,18 @@ class DecodeRouter:
                     self._holder_down(holder, exc)
                     return
             try:
-                offered_hashes = hashes[:len(offered)]
-                imp = await self.bridge.call(lambda: self.exchange.begin_import(offered_hashes),
-                                             undo=self.exchange.abort_import)
-            except RuntimeError as exc:  # no room here: the engine prefills the prompt itself
+                imp = await self.puller.pull(
+                    peer, hashes[:len(offered)], offered,
+                    read=lambda *args: self._read(holder, *args))
+            except NoRoom as exc:  # no room here: the engine prefills the prompt itself
                 logger.warning("no host blocks to import a prompt's KV into (%s)", exc)
                 return
-            if imp.missing:
-                try:
-                    await self._read(holder, peer, imp, [offered[i] for i in imp.missing])
-                except (RemoteReadError, TimeoutError, ValueError) as exc:
-                    if holder == worker.url:
-                        raise
-                    self._holder_down(holder, exc)
-                    return
-            try:
-                await self.bridge.call(lambda: self.exchange.finish_import(imp))
-            except Exception:  # noqa: BLE001 (APIError: shutting down)
+            except (RemoteReadError, TimeoutError, ValueError) as exc:
+                if holder == worker.url:
+                    raise
+                self._holder_down(holder, exc)
+                return
+            except Exception:  # noqa: BLE001 (naming the blocks failed; APIError: shutting down)
                 logger.exception("importing a prompt's KV failed; the engine prefills it")
                 return
             self._imported.labels(holder).inc(len(imp.missing))
@@ -726,7 +724,7 @@ class DecodeRouter:
             self.holders[url] = await _connect(self._client, self.puller.reader, url)
         return self.holders[url]
 
-    async def _read(self, url: str, peer: str, imp, src: list[int]) -> None:
+    async def _read(self, url: str, peer: str, imp: Import, src: list[int]) -> None:
         """Blocks ``src`` of the worker at ``url`` into the import's missing blocks, one transfer
         (counted here, per worker: the reader's own totals mix the reads other prompts have in
         flight)."""
