@@ -369,15 +369,13 @@ class PrefillService(_KVHolder):
     def _memory_workers(self) -> list[_Worker]:
         """The memory workers to ask, the fewest requests in flight first; one that failed is
         skipped for ``PROBE_S`` seconds (a hung one must not slow every prompt)."""
-        now = time.monotonic()
-        return sorted((w for w in self.memory if w.up or now - w.last_probe >= PROBE_S),
-                      key=lambda w: w.inflight)
+        return sorted((w for w in self.memory if w.usable()), key=lambda w: w.inflight)
 
     @staticmethod
     def _failed(worker: _Worker, what: str, exc: BaseException) -> None:
         logger.warning("%s memory worker %s failed (%s: %s); skipped for %.0f s", what,
                        worker.url, type(exc).__name__, exc, PROBE_S)
-        worker.up, worker.last_probe, worker.peer = False, time.monotonic(), None
+        worker.mark_down()
 
     async def _fetch_prefix(self, ids: list[int]) -> None:
         """Read the prompt's leading complete blocks from the first memory worker that holds more
@@ -524,11 +522,22 @@ class _Busy(Exception):
 
 @dataclass
 class _Worker:
+    """Another worker this one talks to: whether it is in use, its requests in flight, its NIXL
+    peer once connected, and when it was last marked down or probed."""
     url: str
     up: bool = True
     inflight: int = 0
-    peer: str | None = None  # NIXL peer name once connected
+    peer: str | None = None
     last_probe: float = field(default=0.0)
+
+    def mark_down(self) -> None:
+        """Out of use from now; connect afresh next time (a restarted worker has a new agent;
+        the old peer stays known to the reader: other prompts may still be reading from it)."""
+        self.up, self.last_probe, self.peer = False, time.monotonic(), None
+
+    def usable(self) -> bool:
+        """Up, or down for at least ``PROBE_S`` seconds (then tried again)."""
+        return self.up or time.monotonic() - self.last_probe >= PROBE_S
 
 
 class DecodeRouter:
@@ -548,8 +557,7 @@ class DecodeRouter:
         reader = RemoteReader(self.exchange.kv.host, _agent_name("decode"), timeout_s)
         self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
         self.workers = [_Worker(url.rstrip("/")) for url in urls]
-        self.holders: dict[str, str] = {}  # memory worker URL -> its NIXL peer
-        self._holder_failed: dict[str, float] = {}  # memory worker URL -> when it last failed
+        self.holders: dict[str, _Worker] = {}  # the memory workers prefill workers named
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
         self._probe: asyncio.Task | None = None
@@ -683,12 +691,14 @@ class DecodeRouter:
         holder = answer.get("worker") or worker.url
         try:
             if holder != worker.url:
-                if time.monotonic() - self._holder_failed.get(holder, -PROBE_S) < PROBE_S:
+                memory = self.holders.setdefault(holder, _Worker(holder))
+                if not memory.usable():
                     return  # it failed just now: the engine prefills the prompt
                 try:
-                    peer = await self._holder_peer(holder)
+                    memory.peer = peer = (memory.peer or await _connect(
+                        self._client, self.puller.reader, holder))
                 except (httpx.HTTPError, ValueError) as exc:
-                    self._holder_down(holder, exc)
+                    self._holder_down(memory, exc)
                     return
             try:
                 imp = await self.puller.pull(
@@ -700,7 +710,7 @@ class DecodeRouter:
             except (RemoteReadError, TimeoutError, ValueError) as exc:
                 if holder == worker.url:
                     raise
-                self._holder_down(holder, exc)
+                self._holder_down(self.holders[holder], exc)
                 return
             except Exception:  # noqa: BLE001 (naming the blocks failed; APIError: shutting down)
                 logger.exception("importing a prompt's KV failed; the engine prefills it")
@@ -710,19 +720,13 @@ class DecodeRouter:
         finally:
             self._tasks.spawn(_release(self._client, holder, lease))
 
-    def _holder_down(self, url: str, exc: BaseException) -> None:
+    @staticmethod
+    def _holder_down(memory: _Worker, exc: BaseException) -> None:
         """A memory worker failed: prompts whose KV it holds are prefilled here, for ``PROBE_S``
         seconds without trying it (a hung one must not make every such prompt wait)."""
         logger.warning("memory worker %s failed (%s: %s); the engine prefills the prompts whose "
-                       "KV it holds", url, type(exc).__name__, exc)
-        self.holders.pop(url, None)
-        self._holder_failed[url] = time.monotonic()
-
-    async def _holder_peer(self, url: str) -> str:
-        """The NIXL peer of the memory worker at ``url`` (connected once)."""
-        if url not in self.holders:
-            self.holders[url] = await _connect(self._client, self.puller.reader, url)
-        return self.holders[url]
+                       "KV it holds", memory.url, type(exc).__name__, exc)
+        memory.mark_down()
 
     async def _read(self, url: str, peer: str, imp: Import, src: list[int]) -> None:
         """Blocks ``src`` of the worker at ``url`` into the import's missing blocks, one transfer
@@ -741,16 +745,14 @@ class DecodeRouter:
     def _mark_down(self, worker: _Worker, exc: BaseException) -> None:
         logger.warning("prefill worker %s marked down: %s: %s", worker.url,
                        type(exc).__name__, exc)
-        # connect afresh next time (a restarted worker has a new agent); the old peer stays known
-        # to the reader: other prompts may still be reading from it
-        worker.up, worker.last_probe, worker.peer = False, time.monotonic(), None
+        worker.mark_down()
         self._up.labels(worker.url).set(0)
 
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(PROBE_S / 4)
             for w in self.workers:
-                if w.up or time.monotonic() - w.last_probe < PROBE_S:
+                if w.up or not w.usable():
                     continue
                 w.last_probe = time.monotonic()
                 try:
