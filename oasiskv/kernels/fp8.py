@@ -33,16 +33,23 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8 if kv_cache_dtype == "fp8" else model_dtype
 
 
+def empty_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+               zero: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Storage for rows ``shape`` (``[..., D]``) in ``dtype`` -> (values, scale): ``scale`` is
+    float32 ``shape[:-1]`` for FP8 storage, else None."""
+    make = torch.zeros if zero else torch.empty
+    if dtype != FP8:
+        return make(shape, dtype=dtype, device=device), None
+    return (make(shape, dtype=torch.uint8, device=device).view(FP8),
+            make(shape[:-1], dtype=torch.float32, device=device))
+
+
 def empty_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
              zero: bool = False):
     """K and V storage ``shape`` (``[..., D]``) in ``dtype`` -> (k, v, scales): ``scales`` is the
     float32 ``(k_scale, v_scale)`` pair ``shape[:-1]`` for FP8 storage, else None."""
-    make = torch.zeros if zero else torch.empty
-    if dtype != FP8:
-        return (make(shape, dtype=dtype, device=device), make(shape, dtype=dtype, device=device),
-                None)
-    k, v = (make(shape, dtype=torch.uint8, device=device).view(FP8) for _ in range(2))
-    return k, v, tuple(make(shape[:-1], dtype=torch.float32, device=device) for _ in range(2))
+    (k, k_scale), (v, v_scale) = (empty_rows(shape, dtype, device, zero) for _ in range(2))
+    return k, v, None if k_scale is None else (k_scale, v_scale)
 
 
 def as_bytes(x: torch.Tensor) -> torch.Tensor:

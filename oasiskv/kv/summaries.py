@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import FP8
+from oasiskv.kernels.fp8 import empty_rows
 from oasiskv.kv.layout import TieredLayout
 
 
@@ -22,12 +22,9 @@ class SummaryStore:
     def __init__(self, layout: TieredLayout, num_host_blocks: int, device: torch.device,
                  alpha: float):
         shape = (num_host_blocks, layout.num_kv_heads, 2, layout.head_dim)
-        fp8 = layout.summary_storage_dtype == FP8
-        self.tables = [torch.zeros(shape, dtype=torch.uint8, device=device).view(FP8) if fp8
-                       else torch.zeros(shape, dtype=layout.dtype, device=device)
-                       for _ in range(layout.num_layers)]
-        self.scales = [torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
-                       for _ in range(layout.num_layers)]
+        self.tables, self.scales = map(list, zip(*(
+            empty_rows(shape, layout.summary_storage_dtype, device, zero=True)
+            for _ in range(layout.num_layers))))
         self.alpha = alpha
         cuda = device.type == "cuda"
         self._minmax, self._scores = kernel("block_minmax", cuda), kernel("block_scores", cuda)
