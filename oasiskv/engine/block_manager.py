@@ -16,6 +16,7 @@ counts one reference, so it is never handed out or evicted.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 
 from oasiskv.engine.kv_allocator import KVAllocator
 from oasiskv.engine.sequence import Sequence
@@ -54,15 +55,8 @@ class BlockManager(KVAllocator):
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its blocks; those no one references join the end of
-        the free list, its last block first (as ``_drop`` block by block, in one pass: a 32K-token
-        sequence frees 2,048 blocks)."""
-        refs, free = self.ref_counts, self.free_blocks
-        for block in reversed(seq.block_table):
-            left = refs[block] - 1
-            refs[block] = left
-            if left <= 0:
-                assert left == 0, f"block {block} freed twice"
-                free[block] = None
+        the free list, its last block first."""
+        self._drop(reversed(seq.block_table))
         seq.block_table = []
         self._hashed.pop(seq.seq_id, None)
 
@@ -138,7 +132,7 @@ class BlockManager(KVAllocator):
             self.held[block] -= 1
             if not self.held[block]:
                 del self.held[block]
-            self._drop(block)
+        self._drop(blocks)
 
     def _take_free(self, n: int) -> list[int]:
         """``n`` free blocks, the oldest freed first, each with one reference and its hash
@@ -159,12 +153,17 @@ class BlockManager(KVAllocator):
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
-    def _drop(self, block: int) -> None:
-        """One reference less; a block no one references goes to the end of the free list."""
-        self.ref_counts[block] -= 1
-        assert self.ref_counts[block] >= 0, f"block {block} freed twice"
-        if self.ref_counts[block] == 0:
-            self.free_blocks[block] = None
+    def _drop(self, blocks: Iterable[int]) -> None:
+        """One reference less to each of ``blocks``; those no one references go to the end of the
+        free list, in order (one pass without a call per block: a 32K-token sequence frees
+        2,048)."""
+        refs, free = self.ref_counts, self.free_blocks
+        for block in blocks:
+            left = refs[block] - 1
+            refs[block] = left
+            if left <= 0:
+                assert left == 0, f"block {block} freed twice"
+                free[block] = None
 
     def on_computed(self, seq: Sequence) -> None:
         """Register blocks of ``seq`` that became complete."""
