@@ -215,6 +215,12 @@ class TierConfig:
                          "the foreground stream), off (never after seeding: the foreground's cost "
                          "alone, for measurements)")
 
+    f_host: float = _opt(1.0, "oasis: decode-host cache: each running request keeps at most "
+                         "f_host * P + F of its blocks in host memory (P prompt blocks, F "
+                         "generated), the rest of its prompt read again from the remote tier when "
+                         "selected; < 1 on a disaggregated decode worker only (--role decode), "
+                         "with a lookahead --draft")
+
     guardrail_rate: float = _opt(0.0, "oasis: online fidelity guardrail: the share of decode rows "
                                  "per step measured (at one random layer) against exact attention "
                                  "over their whole context; 0 = off")
@@ -231,6 +237,11 @@ class TierConfig:
         if not ((kind in ("none", "previous", "ngram") and not path)
                 or (kind in ("model", "eagle3") and path)):
             raise ValueError(f"unknown draft {self.draft!r}: use {DRAFTS}")
+        if not 0.0 < self.f_host <= 1.0:
+            raise ValueError(f"f_host must be in (0, 1], got {self.f_host}")
+        if self.f_host < 1.0 and not self.lookahead:
+            raise ValueError("f_host < 1 needs a lookahead --draft: blocks read again from the "
+                             "remote tier are read between steps, for the next step's selection")
         if self.summary_dtype not in ("auto", "fp8"):
             raise ValueError(f"summary_dtype must be auto or fp8, got {self.summary_dtype!r}")
         if self.prefetch not in ("async", "inline", "off"):

@@ -33,6 +33,7 @@ from oasiskv.engine.sequence import Sequence
 from oasiskv.kernels.fp8 import storage_dtype
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.guardrail import Guardrail
+from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.lookahead import Lookahead
 from oasiskv.kv.probes import TierProbes
@@ -43,6 +44,7 @@ from oasiskv.spec.base import Drafter, make_drafter
 logger = logging.getLogger(__name__)
 
 CPU_HBM_BYTES = 4 << 30  # without a GPU, working sets + summaries get this much ordinary memory
+LRU_PERIOD = 8  # decode steps between two LRU passes of a decode-host cache
 
 
 class SparseBackend(AttentionBackend):
@@ -119,9 +121,11 @@ class SparseBackend(AttentionBackend):
         # shared prefix: no prefix sharing with it
         drafter = self.lookahead.drafter if self.lookahead is not None else None
         sharing = not (drafter is not None and drafter.aux_layers)
-        self.allocator = TieredAllocator(self.kv.host.num_blocks, self._padding_slot,
+        host = self.kv.host
+        self.allocator = TieredAllocator(host.num_blocks, self._padding_slot,
                                          self.kv.layout.block_size, on_free=self._release,
-                                         enable_prefix_sharing=sharing)
+                                         enable_prefix_sharing=sharing,
+                                         host=host if isinstance(host, HostCache) else None)
         return self.allocator
 
     @property
@@ -159,6 +163,8 @@ class SparseBackend(AttentionBackend):
         else:
             self.kv.now += 1
             self._decode_rows += len(batch)
+            if isinstance(self.kv.host, HostCache) and int(self.kv.now) % LRU_PERIOD == 0:
+                self._enforce_budgets(batch.seqs)
             self.guardrail.pick(batch.seqs, [len(seq) - 1 for seq in batch.seqs])
             if self.lookahead is not None:
                 plan.extra_ids, plan.extra_positions, rows = self.lookahead.draft_rows(batch)
@@ -169,11 +175,26 @@ class SparseBackend(AttentionBackend):
                         index[row] = n + j
                     arrays += [(index, torch.int32), (rows, torch.long)]
         tensors = to_device_many(arrays, self.device)
+        if isinstance(self.kv.host, HostCache):
+            self.kv.host.flush()  # the rows of blocks handed out since the last step
         step = plan.meta = self._eager = TierStep(tensors[0],
                                                   ends_prefill=list(batch.ends_prefill))
         if len(tensors) > 1:
             step.draft_rows, step.draft_of = tensors[1:]
         return plan
+
+    def _enforce_budgets(self, seqs: list[Sequence]) -> None:
+        """The decode-host cache's LRU pass over the running ``seqs``: each keeps ``f_host * P +
+        F`` resident blocks, never a block any of its working sets holds."""
+        slots = torch.tensor([self.allocator.slot_of[s.seq_id] for s in seqs], device=self.device)
+        held = torch.stack([m[slots] for m in self.kv.ws.map], 1).flatten(1).tolist()
+        B, pinned = self.kv.layout.block_size, set()
+        for seq, indices in zip(seqs, held):
+            table = seq.block_table
+            pinned.update(table[i] for i in set(indices) if 0 <= i < len(table))
+        self.kv.host.touch(pinned)
+        self.kv.host.enforce_budgets([(s.block_table, s.num_prompt_tokens // B) for s in seqs],
+                                     pinned)
 
     def forward(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if batch.meta is None:  # the warm-up before storage exists

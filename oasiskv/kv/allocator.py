@@ -10,24 +10,33 @@ elsewhere in the tier goes with it.
 Host blocks are a ``BlockManager``'s: ref counts, and prefix sharing by block-hash chain (a new
 prompt that starts with complete blocks another request computed takes those host blocks instead
 of prefilling them; freed blocks keep their hash and contents, oldest freed handed out first, so
-the host store doubles as an LRU cache of recent prompts). A block's summary is indexed by its host
+the host store doubles as an LRU cache of recent prompts). With a decode-host cache
+(``kv/host_cache.py``, ``host``) host block ids outnumber host memory's rows: the allocator tells
+the cache which blocks it hands out fresh, shares or lets go (``taken`` / ``released``), admits only
+what can get rows (``can_take``), and forgets the hash of a cached block whose row the cache took
+back. A block's summary is indexed by its host
 block id and written when the block completes, so a shared block's summary is shared too: the
 later request scores and seeds from it without recomputing it. Shared blocks are complete and before
 the sequence's last prompt token, so decode never writes into them.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Callable
 
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.sequence import Sequence
+from oasiskv.kv.host_cache import HostCache, RemoteMiss
 
 
 class TieredAllocator(BlockManager):
     def __init__(self, num_host_blocks: int, num_seq_slots: int, block_size: int,
                  on_free: Callable[[Sequence], None] = lambda seq: None,
-                 enable_prefix_sharing: bool = True):
+                 enable_prefix_sharing: bool = True, host: HostCache | None = None):
         super().__init__(num_host_blocks, block_size, enable_prefix_sharing)
+        self.host = host
+        if host is not None:
+            host.on_forget = self._forget_hash
         self.free_slots: list[int] = list(range(num_seq_slots - 1, -1, -1))
         self.num_seq_slots = num_seq_slots
         self.slot_of: dict[int, int] = {}  #: seq id -> working-set slot
@@ -37,7 +46,8 @@ class TieredAllocator(BlockManager):
         self.refused = {"host_blocks": 0, "working_set_slots": 0}
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        blocks = super().can_allocate(seq, num_new_tokens)
+        blocks = super().can_allocate(seq, num_new_tokens) and (
+            self.host is None or self.host.can_take(self.blocks_to_add(seq, num_new_tokens)))
         fits = blocks and (seq.seq_id in self.slot_of or bool(self.free_slots))
         if not fits and seq.seq_id not in self.slot_of:  # a new sequence refused: by which budget
             self.refused["working_set_slots" if blocks else "host_blocks"] += 1
@@ -51,6 +61,29 @@ class TieredAllocator(BlockManager):
             self.slot_of[seq.seq_id] = self.free_slots.pop()
             return
         super().allocate(seq, num_new_tokens)
+
+    def _take_free(self, n: int) -> list[int]:
+        blocks = super()._take_free(n)
+        if self.host is not None:
+            try:
+                self.host.taken(blocks, fresh=True)
+            except RemoteMiss as exc:
+                self._drop(blocks)
+                raise RuntimeError(f"KV pool exhausted: {exc}") from None
+        return blocks
+
+    def _take(self, block: int) -> None:
+        super()._take(block)
+        if self.host is not None:
+            self.host.taken([block], fresh=False)
+
+    def _drop(self, blocks: Iterable[int]) -> None:
+        if self.host is None:
+            super()._drop(blocks)
+            return
+        blocks = list(blocks)
+        super()._drop(blocks)
+        self.host.released([b for b in blocks if not self.ref_counts[b]])
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)

@@ -11,7 +11,9 @@ and the graph hooks ``begin_capture`` / ``end_capture(bucket)`` / ``replaying(bu
 - ``LookaheadRetrieval`` (any other draft): after attention, with the query predicted for step t+1
   (the draft row's, or the real one without a guess), on side streams (``prefetch=async``,
   ``kv/prefetch.py``) or in line. Inside a CUDA graph only the selections are captured; each
-  bucket's copies become a tail graph launched by ``finish`` after the replay.
+  bucket's copies become a tail graph launched by ``finish`` after the replay; with a decode-host
+  cache (``kv/host_cache.py``) ``finish`` first gives the blocks the replay's selections admitted
+  rows (a host sync on those selections, and reads from the remote tier for evicted blocks).
 
 ``prefetch=off`` selects nothing after seeding (measurements of the foreground alone).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.prefetch import PrefetchPipeline, Tail
 from oasiskv.kv.tiered import DecodeRows, TieredKV
 
@@ -80,6 +83,7 @@ class LookaheadRetrieval(Retrieval):
         self._copy_lists: list[torch.Tensor] = []
         self._tails: dict[int, Tail | None] = {}
         self._due: Tail | None = None  # the tail of the graph being replayed
+        self._due_items = 0  # the copy lists' items that graph's selections wrote
 
     def allocate(self, max_seqs: int) -> None:
         if self.active:
@@ -108,7 +112,7 @@ class LookaheadRetrieval(Retrieval):
 
         def select() -> torch.Tensor:
             plan = kv.retrieve(layer, q_next, slots, tables, complete, fetch=False, now=now)
-            return kv.ws.copy_list(kv.host, slots, *plan, out=out)
+            return kv.ws.copy_list(slots, *plan, out=out)
 
         self.pipeline.launch(layer, select, lambda items: kv.ws.gather(layer, kv.host, items),
                              keep=(q_next, slots, tables, complete, now))
@@ -121,8 +125,18 @@ class LookaheadRetrieval(Retrieval):
         (their counters are read next)."""
         tail, self._due = self._due, None
         if tail is not None:
+            if isinstance(self.kv.host, HostCache):
+                self._make_resident()
             self.pipeline.run_captured(tail)
         self.pipeline.wait_selections()
+
+    def _make_resident(self) -> None:
+        """Give the blocks the replayed selections admitted rows in the decode-host cache (reading
+        those it evicted from the remote tier) before the tail copies them: the tail maps ids to
+        rows when it runs."""
+        self.pipeline.wait_selections()
+        ids = torch.cat([items[0, :self._due_items] for items in self._copy_lists]).unique()
+        self.kv.host.make_resident(ids[ids >= 0].tolist())
 
     def begin_capture(self) -> None:
         self.pipeline.join()
@@ -132,3 +146,4 @@ class LookaheadRetrieval(Retrieval):
 
     def replaying(self, bucket: int) -> None:
         self._due = self._tails[bucket]
+        self._due_items = bucket * self.kv.layout.num_kv_heads * self.kv.cap

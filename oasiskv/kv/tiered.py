@@ -28,6 +28,7 @@ from oasiskv.engine.forward_batch import ForwardBatch
 from oasiskv.kernels.dispatch import kernel
 from oasiskv.kernels.fp8 import dequantize, empty_kv
 from oasiskv.kv.counters import DeviceCounters
+from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.probes import TierProbes
@@ -134,11 +135,16 @@ class TieredKV:
 
     # ---- storage ---------------------------------------------------------------------------------
     def make_host_store(self) -> HostStore:
-        """The host store ``host_kv_gib`` sizes (the probes' factory when given)."""
+        """The host store ``host_kv_gib`` sizes: a ``HostCache`` of ``1 / f_host`` times as many
+        block ids with ``f_host < 1``, else the probes' factory when given."""
         lay = self.layout
         blocks = host_blocks_for(self.config.host_kv_gib or DEFAULT_HOST_GIB, lay)
+        pin = self.device.type == "cuda"
+        if self.config.f_host < 1.0:
+            return HostCache(lay, int(blocks / self.config.f_host), pin, blocks, self.device,
+                             self.config.f_host)
         make = self.probes.host_store or HostStore
-        return make(lay, blocks, self.device.type == "cuda")
+        return make(lay, blocks, pin)
 
     def allocate(self, host: HostStore, num_slots: int) -> None:
         """Summaries for every host block id and ``num_slots`` working sets (one of them the graph

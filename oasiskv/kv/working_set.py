@@ -84,18 +84,19 @@ class WorkingSet:
               dst_slots: torch.Tensor) -> None:
         """Copy host blocks ``host_blocks`` ``[N, Hk, X]`` (-1 = skip) of head h into working-set
         slot ``dst_slots[n, h, x]`` of sequence slot ``slots[n]``."""
-        self.gather(layer, host, self.copy_list(host, slots, host_blocks, dst_slots))
+        self.gather(layer, host, self.copy_list(slots, host_blocks, dst_slots))
 
-    def copy_list(self, host: HostStore, slots: torch.Tensor, host_blocks: torch.Tensor,
+    def copy_list(self, slots: torch.Tensor, host_blocks: torch.Tensor,
                   dst_slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The slices ``fetch`` moves, as int64 ``[3, N * Hk * X]`` rows (physical host block, -1 =
-        skip; kv head; flat working-set slot of the layer), written into ``out`` when given (that
-        shape)."""
+        """The slices ``fetch`` moves, as int64 ``[3, N * Hk * X]`` rows (host block id, -1 = skip;
+        kv head; flat working-set slot of the layer), written into ``out`` when given (that
+        shape). ``gather`` maps the ids to the store's rows when it runs (a lookahead tail runs
+        after its selection: a ``HostCache`` may give the blocks rows in between)."""
         n, heads, x = host_blocks.shape
         head = self._heads.view(1, heads, 1).expand(n, heads, x)
         flat_dst = ((slots.long().view(n, 1, 1) * heads + head) * self.layout.slots
                     + dst_slots.clamp(min=0))
-        items = torch.stack([host.physical_blocks(host_blocks), head, flat_dst]).view(3, -1)
+        items = torch.stack([host_blocks, head, flat_dst]).view(3, -1)
         return items if out is None else out.copy_(items)
 
     def gather(self, layer: int, host: HostStore, items: torch.Tensor) -> None:
@@ -104,8 +105,9 @@ class WorkingSet:
         ws_scales = self.scales[layer]
         scales = None if ws_scales is None else (*host.scales, *ws_scales)
         programs, in_flight = _GATHER_GRID[scales is not None]
-        self._gather(host.k, host.v, layer, self.k[layer], self.v[layer], items[0], items[1],
-                     items[2], num_programs=programs, items_per_iter=in_flight, scales=scales)
+        self._gather(host.k, host.v, layer, self.k[layer], self.v[layer],
+                     host.physical_blocks(items[0]), items[1], items[2], num_programs=programs,
+                     items_per_iter=in_flight, scales=scales)
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor,
                       block: torch.Tensor, now: torch.Tensor) -> None:

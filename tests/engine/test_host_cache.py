@@ -1,0 +1,152 @@
+"""The decode-host cache (``kv/host_cache.py``, ``f_host < 1``): a decode engine that keeps only
+``f_host * P + F`` of each request's blocks in host memory and reads evicted prompt blocks again
+from where they came from decodes the tokens of the same engine that keeps them all; the cache's
+bookkeeping keeps its invariants under random use. The remote tier here copies from another
+engine's host store in this process (the NIXL transport has its own tests, and the server tests run
+the two together)."""
+import random
+
+import pytest
+import torch
+
+from oasiskv import LLM
+from oasiskv.kv.allocator import TieredAllocator
+from oasiskv.kv.host_cache import HostCache, RemoteMiss
+from oasiskv.kv.layout import TieredLayout
+from tests.engine.test_kv_exchange import copy_blocks, exchange, prefill_and_export
+from tests.engine.test_oasis import GREEDY, prompts
+from tests.helpers import write_tiny_checkpoint
+
+# "previous": every decode step has its lookahead query, so on a GPU every step replays a graph and
+# the blocks are made resident between the replay and its tail of copies
+TIER = dict(kv_mode="oasis", topk_blocks=2, fetch_ratio=1.0, host_kv_gib=0.01, draft="previous")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m"), "qwen3")
+
+
+class StoreTier:
+    """A remote tier that is another host store of this process: whole blocks, K, V and scales."""
+
+    def __init__(self, src, dst):
+        self.src, self.dst, self.blocks = src, dst, 0
+
+    def read(self, source, remote_blocks, rows):
+        a, b = self.src, self.dst
+        for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
+            y[torch.tensor(rows)] = x[torch.tensor(remote_blocks)]
+        self.blocks += len(rows)
+
+
+def decode_imported(tiny, batch, f_host, device="cpu"):
+    """Prefill ``batch`` on one engine, import every prompt's blocks into a decode engine (located
+    on the first one's store, with ``f_host < 1``), decode them all at once there."""
+    prefill = LLM(str(tiny), device=device, **TIER)
+    decode = LLM(str(tiny), f_host=f_host, device=device, **TIER)
+    assert (decode.engine.runner.graphs is not None) == (device == "cuda")
+    src, dst = exchange(prefill), exchange(decode)
+    host, idle = dst.kv.host, []
+    if f_host < 1:
+        host.reader = StoreTier(src.kv.host, host)
+        host.on_lease_idle = idle.append
+    for lease, ids in enumerate(batch):
+        offered = prefill_and_export(prefill, ids)
+        imp = dst.begin_import(dst.prompt_hashes(ids)[:len(offered)])
+        copy_blocks(src, dst, [offered[i] for i in imp.missing],
+                    [imp.blocks[i] for i in imp.missing])
+        dst.finish_import(imp)
+        if f_host < 1:
+            host.locate(imp.blocks, offered, "prefill", lease)
+    tokens = [o.token_ids for o in decode.generate(batch, GREEDY)]
+    decode.engine.allocator.check_invariants([])
+    return tokens, host, idle
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_bounded_decode_host_decodes_the_tokens_of_one_that_keeps_everything(tiny, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    batch = prompts(3, lo=500, hi=700, seed=21)
+    want, _, _ = decode_imported(tiny, batch, 1.0, device)
+    got, host, idle = decode_imported(tiny, batch, 0.25, device)
+    assert got == want
+    assert isinstance(host, HostCache) and host.num_blocks == 4 * host.num_physical
+    # prompt blocks were evicted by the LRU pass and read again when selected
+    assert host.stats.evictions > 0 and host.stats.misses > 0
+    assert host.reader.blocks == host.stats.misses
+    # the requests ended: every lease is idle, nothing is located, rows and ids agree
+    assert sorted(idle) == [0, 1, 2] and not host.where
+    host.check_invariants()
+
+
+def test_the_lru_pass_keeps_the_budget_and_spares_working_sets(tiny):
+    layout = TieredLayout(1, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
+    host = HostCache(layout, 64, False, 32, torch.device("cpu"), 0.25)
+    alloc = TieredAllocator(64, 2, 16, host=host)
+    table = alloc.hold_new(20)  # 20 prompt blocks, located
+    host.locate(table, list(range(100, 120)), "peer", "lease")
+    host.touch(table[10:])  # the later half used more recently
+    pinned = {table[0], table[1]}  # in a working set
+    evicted = host.enforce_budgets([(table + alloc.hold_new(3), 20)], pinned)
+    # budget ceil(0.25 * 20) + 3 = 8 of 23: 15 evicted, the least recently used first
+    assert evicted == 15
+    resident = [b for b in table if host.resident(b)]
+    assert set(pinned) <= set(resident) and len(resident) == 5
+    assert set(resident) - pinned == set(table[17:])
+    host.check_invariants()
+
+
+def test_random_use_keeps_the_cache_consistent():
+    """Random takes, shares, frees, locations, reads and LRU passes against a 12-row cache of 48
+    ids: rows and ids stay one to one, every resident block's row holds its contents, and a block
+    nobody can read again (unlocated, in use) is never evicted."""
+    rng = random.Random(0)
+    layout = TieredLayout(1, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
+    host = HostCache(layout, 48, False, 12, torch.device("cpu"), 0.5)
+    alloc = TieredAllocator(48, 4, 16, host=host)
+    remote = torch.arange(1000, 1048, dtype=torch.float32)  # block b's contents there: 1000 + b
+
+    class Tier:
+        def read(self, source, remote_blocks, rows):
+            assert source == "peer"
+            host.k[torch.tensor(rows)] = remote[torch.tensor(remote_blocks)].view(-1, 1, 1, 1, 1)
+
+    host.reader = Tier()
+    content = {}  # resident block -> what its row must hold
+    tables: list[list[int]] = []
+    for _ in range(400):
+        op = rng.random()
+        try:
+            if op < 0.3:
+                blocks = alloc.hold_new(rng.randint(1, 3))
+                for b in blocks:  # written here: contents only this store has, unless located
+                    host.k[host._row_of[b]] = -b
+                    content[b] = -b
+                if rng.random() < 0.5:
+                    host.locate(blocks, blocks, "peer", rng.randint(0, 2))
+                    for b in blocks:
+                        host.k[host._row_of[b]] = 1000 + b
+                        content[b] = 1000 + b
+                tables.append(blocks)
+            elif op < 0.5 and tables:
+                alloc.release(tables.pop(rng.randrange(len(tables))))
+            elif op < 0.8 and tables:
+                table = rng.choice(tables)
+                host.make_resident(table)
+                for b in table:
+                    assert float(host.k[host._row_of[b]].flatten()[0]) == content[b], b
+            elif tables:
+                host.enforce_budgets([(t, len(t)) for t in tables], set())
+        except (RuntimeError, RemoteMiss):
+            pass  # no row left for unlocated blocks: refused, nothing changed
+        host.check_invariants()
+        for t in tables:
+            for b in t:
+                assert host.resident(b) or b in host.where, f"block {b} lost"
+                if b in host.where:
+                    content[b] = 1000 + b
+    for t in tables:
+        alloc.release(t)
+    assert not host.where and not alloc.held
