@@ -57,11 +57,14 @@ class StepPlan:
 class StepStats:
     """What ``finish`` reports of a step: ``counters`` (the engine sums them over steps),
     ``gauges`` (values as of this step), ``per_layer`` counts of this step and ``samples``
-    (observations of this step for histograms, e.g. its stall seconds), by name."""
+    (observations of this step for histograms, e.g. its stall seconds), by name; ``failed``: the
+    step's sequences (by id) whose KV can no longer be trusted, with the reason (the engine ends
+    them with an error, the others go on)."""
     counters: dict[str, float] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
     per_layer: dict[str, list[float]] = field(default_factory=dict)
     samples: dict[str, list[float]] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from oasiskv.attention.base import AttentionBackend, StepPlan, StepStats
@@ -187,11 +188,16 @@ class SparseBackend(AttentionBackend):
         """The decode-host cache's LRU pass over the running ``seqs``: each keeps ``f_host * P +
         F`` resident blocks, never a block any of its working sets holds."""
         slots = torch.tensor([self.allocator.slot_of[s.seq_id] for s in seqs], device=self.device)
-        held = torch.stack([m[slots] for m in self.kv.ws.map], 1).flatten(1).tolist()
+        # per sequence, which of its blocks any (layer, head) holds: a mask over its table, made on
+        # the device (the maps hold ~10^6 entries at 128 x 32K), one copy to the host
+        held = torch.stack([m[slots] for m in self.kv.ws.map], 1).flatten(1).long()
+        width = max(len(s.block_table) for s in seqs) + 1  # the last column takes the empty (-1)
+        mask = torch.zeros((len(seqs), width), dtype=torch.bool, device=self.device)
+        mask.scatter_(1, torch.where(held >= 0, held, width - 1), True)
         B, pinned = self.kv.layout.block_size, set()
-        for seq, indices in zip(seqs, held):
+        for seq, row in zip(seqs, mask[:, :-1].cpu().numpy()):
             table = seq.block_table
-            pinned.update(table[i] for i in set(indices) if 0 <= i < len(table))
+            pinned.update(table[i] for i in np.flatnonzero(row[:len(table)]))
         self.kv.host.touch(pinned)
         self.kv.host.enforce_budgets([(s.block_table, s.num_prompt_tokens // B) for s in seqs],
                                      pinned)
@@ -225,6 +231,13 @@ class SparseBackend(AttentionBackend):
 
     def finish(self, batch: ScheduledBatch) -> StepStats:
         self.retrieval.finish()
+        failed = {}
+        if isinstance(self.kv.host, HostCache) and self.kv.host.failed:
+            lost = self.kv.host.take_failed()
+            for seq in batch.seqs:  # (they end now: the next step would attend stale blocks)
+                why = next((lost[b] for b in seq.block_table if b in lost), None)
+                if why is not None:
+                    failed[seq.seq_id] = why
         lay = self.kv.layout
         counters, per_layer = self.kv.counters.read()
         counters["stall_seconds"] = counters.pop("stall_ns") / 1e9
@@ -256,7 +269,8 @@ class SparseBackend(AttentionBackend):
             * lay.host_block_bytes,
             "hbm_bytes_in_use": used_slots * lay.working_set_bytes
             + self.kv.host.num_blocks * lay.summary_bytes_per_block + self._tap_bytes}
-        return StepStats(counters, gauges, {"fetched_blocks": per_layer["fetched_blocks"]}, samples)
+        return StepStats(counters, gauges, {"fetched_blocks": per_layer["fetched_blocks"]}, samples,
+                         failed)
 
     def _last_aux(self) -> dict[int, torch.Tensor]:
         """The features the drafter reads: from the replayed graph's static meta, else this

@@ -213,6 +213,9 @@ class LLMEngine:
             return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
         outputs = []
         for seq, token in zip(batch.seqs, result.tokens):
+            if seq.seq_id in kv.failed:
+                outputs.append(self._fail(seq, kv.failed[seq.seq_id]))
+                continue
             if token is None:
                 continue
             reason = self._stop_reason(seq, token)

@@ -26,7 +26,7 @@ from typing import Callable
 
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.sequence import Sequence
-from oasiskv.kv.host_cache import HostCache, RemoteMiss
+from oasiskv.kv.host_cache import HostCache, NoHostRows
 
 
 class TieredAllocator(BlockManager):
@@ -67,7 +67,7 @@ class TieredAllocator(BlockManager):
         if self.host is not None:
             try:
                 self.host.taken(blocks, fresh=True)
-            except RemoteMiss as exc:
+            except NoHostRows as exc:
                 self._drop(blocks)
                 raise RuntimeError(f"KV pool exhausted: {exc}") from None
         return blocks

@@ -14,7 +14,9 @@ every id they are given resident (a new block gets a row, a located one is read 
 tier: ``reader.read``, blocking, with the reader's deadline); inside a capture they only look ids
 up, and whoever replays the graph calls ``make_resident`` on what it will read first (the lookahead
 retrieval does, for each step's copy lists, before their tail). Row-table updates reach the device
-with ``flush`` (on the current stream; every path above flushes).
+with ``flush`` (on the current stream; every path above flushes). A block whose read fails stays
+not resident (copies skip it) and is reported by ``take_failed``: the backend ends the sequences
+whose tables name it, with the reason, and the others go on.
 
 Rows: a block takes a free row, else the least recently used *evictable* one: a located resident
 block, or a resident block no block table references (a cached prefix block: it leaves the prefix
@@ -35,6 +37,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Protocol
 
+import numpy as np
 import torch
 
 from oasiskv.kv.host_store import HostStore
@@ -51,8 +54,8 @@ class RemoteTier(Protocol):
         again)."""
 
 
-class RemoteMiss(RuntimeError):
-    """Blocks that had to be read from the remote tier could not be."""
+class NoHostRows(RuntimeError):
+    """Every row holds a block that cannot be read again (in use, no remote copy)."""
 
 
 @dataclass(frozen=True)
@@ -79,17 +82,21 @@ class HostCache(HostStore):
         self.num_physical, self.num_blocks = self.num_blocks, max(num_blocks, num_physical)
         self.f_host = f_host
         self.rows = torch.full((self.num_blocks,), -1, dtype=torch.long, device=device)
-        self._row_of = [-1] * self.num_blocks
+        self._row_of = np.full(self.num_blocks, -1, dtype=np.int64)
         self._free_rows = list(range(self.num_physical - 1, -1, -1))
         self._dirty: dict[int, int] = {}  # id -> row, not yet on the device
         #: resident blocks that may give their row back, least recently used first
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._stamp = [0] * self.num_blocks  # last use (``touch``)
+        self._stamp = np.zeros(self.num_blocks, dtype=np.int64)  # last use (``touch``)
         self._clock = 0
         self._in_use: set[int] = set()  # referenced by a block table or held
         self.where: dict[int, Location] = {}
+        self._located = np.zeros(self.num_blocks, dtype=bool)  # (``where``'s keys, as a mask)
         self._lease_refs: defaultdict[Hashable, int] = defaultdict(int)
         self.reader: RemoteTier | None = None
+        #: blocks whose read failed (since ``take_failed``), with why
+        self.failed: dict[int, str] = {}
+        self._retired: set[int] = set()  # rows a failed read may still write
         self.on_forget: Callable[[int], None] = lambda block: None
         self.on_lease_idle: Callable[[Hashable], None] = lambda lease: None
         self.stats = CacheStats()
@@ -113,7 +120,7 @@ class HostCache(HostStore):
         return self.rows.is_cuda and torch.cuda.is_current_stream_capturing()
 
     def resident(self, block: int) -> bool:
-        return self._row_of[block] >= 0
+        return bool(self._row_of[block] >= 0)
 
     @property
     def rows_in_use(self) -> int:
@@ -121,8 +128,9 @@ class HostCache(HostStore):
 
     def make_resident(self, blocks: Iterable[int]) -> None:
         """Give every block in ``blocks`` a row, reading the located ones from their remote tier
-        (one read per source); flushes. Raises ``RemoteMiss`` (those blocks stay not resident)
-        when a read fails or no row can be taken back."""
+        (one read per source); flushes. A read that fails leaves its blocks not resident (rows -1:
+        copies skip them) and in ``failed`` until ``take_failed``; ``NoHostRows`` (nothing
+        changed) when no row can be taken back."""
         blocks = list(dict.fromkeys(blocks))
         missing = [b for b in blocks if self._row_of[b] < 0]
         self.touch(blocks)
@@ -133,7 +141,7 @@ class HostCache(HostStore):
             try:
                 for b in missing:
                     taken.append(self._take_row(keep))
-            except RemoteMiss:
+            except NoHostRows:
                 self._free_rows.extend(taken)
                 raise
             reads: defaultdict[Hashable, list[tuple[int, int]]] = defaultdict(list)
@@ -141,32 +149,41 @@ class HostCache(HostStore):
                 loc = self.where.get(b)
                 if loc is not None:
                     reads[loc.source].append((loc.block, row))
-            lost: list[int] = []
-            try:
-                for source, pairs in reads.items():
+            unread: set[int] = set()
+            for source, pairs in reads.items():
+                self.stats.remote_reads += 1
+                self.stats.misses += len(pairs)
+                try:
                     if self.reader is None:
-                        raise RemoteMiss("located blocks but no remote tier to read them from")
-                    self.stats.remote_reads += 1
-                    self.stats.misses += len(pairs)
-                    try:
-                        self.reader.read(source, [p[0] for p in pairs], [p[1] for p in pairs])
-                    except Exception as exc:  # noqa: BLE001 (the tier's errors, reported as one)
-                        if getattr(exc, "unsettled", False):
-                            lost = [p[1] for p in pairs]
-                        raise RemoteMiss(f"reading {len(pairs)} blocks from {source} failed: "
-                                         f"{type(exc).__name__}: {exc}") from exc
-            except RemoteMiss:
-                if lost:
-                    logger.error("%d host rows may still be written by a failed read: never "
-                                 "used again", len(lost))
-                    self.num_physical -= len(lost)
-                self._free_rows.extend(r for r in taken if r not in lost)
-                raise
+                        raise RuntimeError("no remote tier to read located blocks from")
+                    self.reader.read(source, [p[0] for p in pairs], [p[1] for p in pairs])
+                except Exception as exc:  # noqa: BLE001 (the tier's errors: the blocks are lost)
+                    why = (f"reading {len(pairs)} KV blocks from {source} failed: "
+                           f"{type(exc).__name__}: {exc}")
+                    logger.error("%s", why)
+                    failed = {b for b, row in zip(missing, taken) if row in
+                              {p[1] for p in pairs}}
+                    self.failed.update(dict.fromkeys(failed, why))
+                    unread |= failed
+                    if getattr(exc, "unsettled", False):  # never to be used again
+                        logger.error("%d host rows may still be written by that read: retired",
+                                     len(pairs))
+                        self.num_physical -= len(pairs)
+                        self._retired.update(p[1] for p in pairs)
             for b, row in zip(missing, taken):
+                if b in unread:
+                    if row not in self._retired:
+                        self._free_rows.append(row)
+                    continue
                 self._set_row(b, row)
                 if b in self.where or b not in self._in_use:
                     self._evictable[b] = None
         self.flush()
+
+    def take_failed(self) -> dict[int, str]:
+        """The blocks whose reads failed since the last call, with why."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def flush(self) -> None:
         """Row-table changes to the device (on the current stream)."""
@@ -194,16 +211,16 @@ class HostCache(HostStore):
             return self._free_rows.pop()
         for b in self._evictable:
             if b not in keep:
-                row = self._row_of[b]
+                row = int(self._row_of[b])
                 self._evict(b)
                 self._free_rows.remove(row)
                 return row
-        raise RemoteMiss(f"every one of the {self.num_physical} host rows is in use by blocks "
+        raise NoHostRows(f"every one of the {self.num_physical} host rows is in use by blocks "
                          "that cannot be read again: raise --host-kv-gib or --f-host")
 
     def _evict(self, block: int) -> None:
         del self._evictable[block]
-        self._free_rows.append(self._row_of[block])
+        self._free_rows.append(int(self._row_of[block]))
         self._set_row(block, -1)
         self.stats.evictions += 1
         if block not in self.where:  # a cached prefix block: its contents are gone
@@ -216,7 +233,7 @@ class HostCache(HostStore):
     # ---- the block manager's calls -----------------------------------------------------------
     def taken(self, blocks: list[int], fresh: bool) -> None:
         """``blocks`` are referenced now; ``fresh``: handed out for new contents (they get rows and
-        lose their locations; ``RemoteMiss`` when no row is left), else shared or revived."""
+        lose their locations; ``NoHostRows`` when no row is left), else shared or revived."""
         if fresh:
             for b in blocks:
                 self._unlocate(b)
@@ -249,6 +266,7 @@ class HostCache(HostStore):
         for b, r in zip(blocks, remote_blocks):
             self._unlocate(b)
             self.where[b] = Location(source, r, lease)
+            self._located[b] = True
             self._lease_refs[lease] += 1
             if self._row_of[b] >= 0:
                 self._evictable[b] = None
@@ -257,6 +275,7 @@ class HostCache(HostStore):
         loc = self.where.pop(block, None)
         if loc is None:
             return
+        self._located[block] = False
         if block in self._in_use:
             self._evictable.pop(block, None)
         self._lease_refs[loc.lease] -= 1
@@ -265,21 +284,24 @@ class HostCache(HostStore):
             self.on_lease_idle(loc.lease)
 
     # ---- the periodic LRU pass ---------------------------------------------------------------
-    def enforce_budgets(self, sequences: list[tuple[list[int], int]], pinned: set[int]) -> int:
+    def enforce_budgets(self, sequences: list[tuple[list[int], int]],
+                        pinned: Iterable[int]) -> int:
         """Per running sequence (its block table, its prompt's complete blocks P): evict its least
         recently used located prompt blocks not in ``pinned`` (its working sets) until it holds at
         most ``ceil(f_host * P) + F`` resident blocks. Returns the blocks evicted."""
+        spare = self._located.copy()  # may go: located, in no working set
+        spare[list(pinned)] = False
         evicted = 0
         for table, prompt_blocks in sequences:
+            ids = np.asarray(table, dtype=np.int64)
             budget = math.ceil(self.f_host * prompt_blocks) + len(table) - prompt_blocks
-            over = sum(1 for b in table if self._row_of[b] >= 0) - budget
+            over = int((self._row_of[ids] >= 0).sum()) - budget
             if over <= 0:
                 continue
-            candidates = sorted((b for b in table[:prompt_blocks] if self._row_of[b] >= 0
-                                 and b in self.where and b not in pinned),
-                                key=self._stamp.__getitem__)
-            for b in candidates[:over]:
-                self._evict(b)
+            prompt = ids[:prompt_blocks]
+            candidates = prompt[(self._row_of[prompt] >= 0) & spare[prompt]]
+            for b in candidates[np.argsort(self._stamp[candidates], kind="stable")][:over]:
+                self._evict(int(b))
                 evicted += 1
         self.flush()
         return evicted
@@ -289,14 +311,15 @@ class HostCache(HostStore):
         resident ones that are located or unreferenced; the device table is the host's (tests call
         this)."""
         owners = {}
-        for b, row in enumerate(self._row_of):
+        for b, row in enumerate(self._row_of.tolist()):
             if row >= 0:
                 assert row not in owners, f"row {row} is blocks {owners[row]} and {b}"
                 owners[row] = b
-        assert not set(owners) & set(self._free_rows)
+        assert not set(owners) & (set(self._free_rows) | self._retired)
         assert len(owners) + len(self._free_rows) == self.num_physical
         evictable = {b for b in owners.values() if b in self.where or b not in self._in_use}
         assert evictable == set(self._evictable)
         assert sum(self._lease_refs.values()) == len(self.where)
         self.flush()
-        assert self.rows.tolist() == self._row_of
+        assert self.rows.tolist() == self._row_of.tolist()
+        assert set(np.flatnonzero(self._located).tolist()) == set(self.where)

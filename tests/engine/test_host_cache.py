@@ -11,7 +11,7 @@ import torch
 
 from oasiskv import LLM
 from oasiskv.kv.allocator import TieredAllocator
-from oasiskv.kv.host_cache import HostCache, RemoteMiss
+from oasiskv.kv.host_cache import HostCache, NoHostRows
 from oasiskv.kv.layout import TieredLayout
 from tests.engine.test_kv_exchange import copy_blocks, exchange, prefill_and_export
 from tests.engine.test_oasis import GREEDY, prompts
@@ -32,17 +32,22 @@ class StoreTier:
 
     def __init__(self, src, dst):
         self.src, self.dst, self.blocks = src, dst, 0
+        self.down: set[str] = set()  # sources whose reads fail
 
     def read(self, source, remote_blocks, rows):
+        if source in self.down:
+            raise ConnectionError(f"{source} is gone")
         a, b = self.src, self.dst
         for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
             y[torch.tensor(rows)] = x[torch.tensor(remote_blocks)]
         self.blocks += len(rows)
 
 
-def decode_imported(tiny, batch, f_host, device="cpu"):
-    """Prefill ``batch`` on one engine, import every prompt's blocks into a decode engine (located
-    on the first one's store, with ``f_host < 1``), decode them all at once there."""
+def decode_imported(tiny, batch, f_host, device="cpu", down=()):
+    """Prefill ``batch`` on one engine, import every prompt's blocks into a decode engine (with
+    ``f_host < 1`` located on the first one's store, as source ``prompt-i``; reads from sources
+    ``down`` fail), decode them all at once there. Returns the outputs, the decode engine's host
+    store and the leases it let go."""
     prefill = LLM(str(tiny), device=device, **TIER)
     decode = LLM(str(tiny), f_host=f_host, device=device, **TIER)
     assert (decode.engine.runner.graphs is not None) == (device == "cuda")
@@ -50,6 +55,7 @@ def decode_imported(tiny, batch, f_host, device="cpu"):
     host, idle = dst.kv.host, []
     if f_host < 1:
         host.reader = StoreTier(src.kv.host, host)
+        host.reader.down.update(down)
         host.on_lease_idle = idle.append
     for lease, ids in enumerate(batch):
         offered = prefill_and_export(prefill, ids)
@@ -58,10 +64,10 @@ def decode_imported(tiny, batch, f_host, device="cpu"):
                     [imp.blocks[i] for i in imp.missing])
         dst.finish_import(imp)
         if f_host < 1:
-            host.locate(imp.blocks, offered, "prefill", lease)
-    tokens = [o.token_ids for o in decode.generate(batch, GREEDY)]
+            host.locate(imp.blocks, offered, f"prompt-{lease}", lease)
+    outs = decode.generate(batch, GREEDY)
     decode.engine.allocator.check_invariants([])
-    return tokens, host, idle
+    return outs, host, idle
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -71,13 +77,24 @@ def test_a_bounded_decode_host_decodes_the_tokens_of_one_that_keeps_everything(t
     batch = prompts(3, lo=500, hi=700, seed=21)
     want, _, _ = decode_imported(tiny, batch, 1.0, device)
     got, host, idle = decode_imported(tiny, batch, 0.25, device)
-    assert got == want
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert isinstance(host, HostCache) and host.num_blocks == 4 * host.num_physical
     # prompt blocks were evicted by the LRU pass and read again when selected
     assert host.stats.evictions > 0 and host.stats.misses > 0
     assert host.reader.blocks == host.stats.misses
     # the requests ended: every lease is idle, nothing is located, rows and ids agree
     assert sorted(idle) == [0, 1, 2] and not host.where
+    host.check_invariants()
+
+
+def test_a_lost_remote_tier_ends_only_the_requests_whose_blocks_it_held(tiny):
+    batch = prompts(3, lo=500, hi=700, seed=21)
+    want, _, _ = decode_imported(tiny, batch, 1.0)
+    got, host, idle = decode_imported(tiny, batch, 0.25, down={"prompt-1"})
+    assert got[1].finish_reason == "error" and "prompt-1 is gone" in got[1].error
+    assert len(got[1].token_ids) < len(want[1].token_ids)
+    assert [got[i].token_ids for i in (0, 2)] == [want[i].token_ids for i in (0, 2)]
+    assert host.stats.misses > 0 and sorted(idle) == [0, 1, 2] and not host.where
     host.check_invariants()
 
 
@@ -139,7 +156,7 @@ def test_random_use_keeps_the_cache_consistent():
                     assert float(host.k[host._row_of[b]].flatten()[0]) == content[b], b
             elif tables:
                 host.enforce_budgets([(t, len(t)) for t in tables], set())
-        except (RuntimeError, RemoteMiss):
+        except (RuntimeError, NoHostRows):
             pass  # no row left for unlocated blocks: refused, nothing changed
         host.check_invariants()
         for t in tables:
