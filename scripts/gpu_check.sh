@@ -134,10 +134,13 @@ for stage in $stages; do
         done
       done ;;
     pd-smoke)  # 1 GPU: the disaggregated path on CUDA, both workers sharing the GPU (0.4 of its memory
-      # each), 8 x 8K prompts; carry .whl (NIXL and the server packages) without the fixtures
+      # each), 8 x 8K prompts; carry .whl (NIXL and the server packages) without the fixtures.
+      # PD_SETUPS (default single,pd,pd-cache:0.2: a decode-host cache of 4 GiB, the 8 prompts' KV
+      # being 9.4 GB)
       need fastapi uvicorn pydantic httpx nixl-cu13
       python3 scripts/pd_bench.py "${BENCH_MODEL:-qwen3-8b}" --context 8192 --requests 8 --max-tokens 32 \
-        --prefill-gpu 0 --decode-gpu 0 --prefill-flags "--gpu-memory-utilization 0.4" -- \
+        --prefill-gpu 0 --decode-gpu 0 --prefill-flags "--gpu-memory-utilization 0.4" \
+        --setups "${PD_SETUPS:-single,pd,pd-cache:0.2}" --decode-flags "--host-kv-gib 4" -- \
         --kv-mode oasis --host-kv-gib 24 --draft ngram --gpu-memory-utilization 0.8 2>&1 \
         | tee "$OUT/pd_smoke.log" | grep -v '^{' | tail -6
       summary+=("pd-smoke: $(tail -1 "$OUT/pd_smoke.log" | cut -c1-300)") ;;

@@ -1,7 +1,7 @@
 """Disaggregated serving under load: one node (``--role both``) against a prefill worker plus a
 decode worker (``--role prefill`` / ``--role decode``, prompt KV over NIXL), and optionally the
-same with a memory worker every prompt's KV is offloaded to (``--setups ...,pd-memory``), same
-load.
+same with a memory worker every prompt's KV is offloaded to (``--setups ...,pd-memory``), or with
+a decode-host cache on the decode worker (``pd-cache:F``: ``--f-host F``), same load.
 
 python scripts/pd_bench.py qwen3-8b --context 32768 --requests 32 --max-tokens 64 \\
     --prefill-gpu 1 --decode-gpu 0 -- --kv-mode oasis --host-kv-gib 96 --draft ngram
@@ -11,7 +11,9 @@ ids and ``--max-tokens`` tokens each. Reported per setup: TTFT (mean, p99), deco
 after each request's first, over the time from the first first-token to the last token), the
 largest running batch seen on /metrics (polled), and for the decode worker the bytes read at
 admission, NIXL reads and their GB/s (bytes over the summed transfer seconds) with the p99
-transfer time (histogram bucket bound). A table, then one JSON line. Everything after ``--`` goes
+transfer time (histogram bucket bound); with a decode-host cache also the blocks it read again
+(misses, GB, transfers, their p99), its evictions, and the most host rows in use at once (of
+its rows). A table, then one JSON line. Everything after ``--`` goes
 to every ``oasiskv serve`` as is (both workers need the same KV flags). A bench preset runs with
 random weights (``--load-format dummy``), the same in every process; the GPUs given run the
 workers (``CUDA_VISIBLE_DEVICES``), the single node on the decode GPU.
@@ -47,10 +49,14 @@ def run_load(args, front: Server) -> dict:
     """The load against ``front``; returns the measured point."""
     peak, stop = [0.0], threading.Event()
 
+    rows = [0.0]
+
     def poll() -> None:
         while not stop.is_set():
             try:
-                peak[0] = max(peak[0], front.metrics()["oasiskv_num_requests_running"])
+                m = front.metrics()
+                peak[0] = max(peak[0], m["oasiskv_num_requests_running"])
+                rows[0] = max(rows[0], m.get("oasiskv_pd_cache_rows_in_use", 0.0))
             except (httpx.HTTPError, KeyError):
                 pass
             stop.wait(0.5)
@@ -89,6 +95,13 @@ def run_load(args, front: Server) -> dict:
         point |= {"admission_gb": nbytes / 1e9, "remote_reads": m["oasiskv_pd_remote_reads_total"],
                   "remote_gb_s": nbytes / seconds / 1e9 if seconds else None,
                   "remote_read_p99_s": _histogram_p99(m, "oasiskv_pd_remote_read_seconds")}
+    if "oasiskv_pd_cache_rows" in m:
+        point |= {"cache_misses": m["oasiskv_pd_cache_misses_total"],
+                  "cache_read_gb": m.get("oasiskv_pd_cache_read_bytes_total", 0.0) / 1e9,
+                  "cache_reads": m.get("oasiskv_pd_cache_reads_total", 0.0),
+                  "cache_read_p99_s": _histogram_p99(m, "oasiskv_pd_cache_read_seconds"),
+                  "cache_evictions": m["oasiskv_pd_cache_evictions_total"],
+                  "cache_rows_peak": rows[0], "cache_rows": m["oasiskv_pd_cache_rows"]}
     return point
 
 
@@ -105,9 +118,13 @@ def _flags(parser) -> None:
     parser.add_argument("--memory-flags", default="",
                         help="more serve flags for the memory worker only (setup pd-memory; it "
                              "runs on the prefill worker's GPU, started before it)")
+    parser.add_argument("--decode-flags", default="",
+                        help="more serve flags for the decode worker only (e.g. a smaller "
+                             "--host-kv-gib for the pd-cache setups)")
     parser.add_argument("--setups", default="single,pd",
                         help="which setups to run, in order: single, pd, pd-memory (pd with a "
-                             "memory worker that every prompt's KV is offloaded to)")
+                             "memory worker that every prompt's KV is offloaded to), pd-cache:F "
+                             "(pd with --f-host F on the decode worker)")
 
 
 def main() -> int:
@@ -118,8 +135,10 @@ def main() -> int:
         try:
             if setup == "single":
                 servers.append(Server(args, extra, args.decode_gpu))
-            elif setup in ("pd", "pd-memory"):
-                offload = []
+            elif setup in ("pd", "pd-memory") or setup.startswith("pd-cache:"):
+                offload, cache = [], []
+                if setup.startswith("pd-cache:"):
+                    cache = ["--f-host", setup.split(":", 1)[1], *shlex.split(args.decode_flags)]
                 if setup == "pd-memory":
                     memory = Server(args, extra, args.prefill_gpu, "--role", "memory",
                                     *shlex.split(args.memory_flags))
@@ -129,21 +148,25 @@ def main() -> int:
                                  *shlex.split(args.prefill_flags))
                 servers.append(prefill)
                 servers.append(Server(args, extra, args.decode_gpu, "--role", "decode",
-                                      "--prefill-url", prefill.url))
+                                      "--prefill-url", prefill.url, *cache))
             else:
-                raise SystemExit(f"unknown setup {setup!r} (single, pd, pd-memory)")
+                raise SystemExit(f"unknown setup {setup!r} (single, pd, pd-memory, pd-cache:F)")
             points[setup] = run_load(args, servers[-1])
         finally:
             for s in servers:
                 s.stop()
-    print(f"{'setup':8} {'TTFT mean s':>12} {'TTFT p99 s':>11} {'decode tok/s':>13} "
-          f"{'peak batch':>11} {'admission GB':>13} {'reads':>6} {'remote GB/s':>12} "
-          f"{'read p99 s':>11}")
+    columns = (("admission_gb", "admission GB", 13), ("remote_reads", "reads", 6),
+               ("remote_gb_s", "remote GB/s", 12), ("remote_read_p99_s", "read p99 s", 11),
+               ("cache_misses", "cache misses", 13), ("cache_read_gb", "cache GB", 9),
+               ("cache_reads", "cache reads", 12), ("cache_read_p99_s", "cache p99 s", 12),
+               ("cache_evictions", "evictions", 10), ("cache_rows_peak", "rows peak", 10),
+               ("cache_rows", "rows", 8))
+    print(f"{'setup':13} {'TTFT mean s':>12} {'TTFT p99 s':>11} {'decode tok/s':>13} "
+          f"{'peak batch':>11} " + " ".join(f"{title:>{w}}" for _, title, w in columns))
     for setup, p in points.items():
         cells = [f"{p.get(k):>{w}.3f}" if isinstance(p.get(k), float) else f"{'-':>{w}}"
-                 for k, w in (("admission_gb", 13), ("remote_reads", 6), ("remote_gb_s", 12),
-                              ("remote_read_p99_s", 11))]
-        print(f"{setup:8} {p['ttft_mean_s']:12.3f} {p['ttft_p99_s']:11.3f} "
+                 for k, _, w in columns]
+        print(f"{setup:13} {p['ttft_mean_s']:12.3f} {p['ttft_p99_s']:11.3f} "
               f"{p['decode_tok_s']:13.1f} {p['peak_batch']:11.0f} " + " ".join(cells))
     print(json.dumps({"model": args.model, "context": args.context, "requests": args.requests,
                       "max_tokens": args.max_tokens, "flags": extra, "points": points}))

@@ -189,6 +189,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer,
                             model_name, vocab_size)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
+    if engine.config.tier.f_host < 1 and pd.role != "decode":
+        raise ValueError("--f-host < 1 is for --role decode: the rest of each prompt's KV stays "
+                         "on the prefill or memory worker it came from")
     if pd.role != "both":  # (transport packages only where they are used)
         from oasiskv.server import disagg
     if pd.role == "decode":
@@ -271,6 +274,10 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         @app.post("/v1/kv/release")
         async def kv_release(body: KVReleaseRequest):
             return await service.release(body.lease)
+
+        @app.post("/v1/kv/renew")
+        async def kv_renew(body: KVReleaseRequest):
+            return service.renew(body.lease)
 
     if pd.role == "prefill":
         @app.post("/v1/kv/prefill")

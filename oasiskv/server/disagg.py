@@ -15,7 +15,9 @@ the API key when one is set):
 - ``POST /v1/kv/prefill`` ``{"prompt_token_ids": [...]}``: prefills the prompt (as a one-token
   greedy request, whose token is dropped), then holds the host blocks of its complete prefix for
   ``lease_s`` seconds and answers ``{"lease": id, "blocks": [host block ids, in chain order]}``.
-- ``POST /v1/kv/release`` ``{"lease": id}``: lets them go (an expired lease goes by itself).
+- ``POST /v1/kv/release`` ``{"lease": id}``: lets them go (an expired lease goes by itself);
+  ``POST /v1/kv/renew`` ``{"lease": id}`` holds them ``lease_s`` seconds more (the answer to a
+  prefill names ``lease_s``).
 
 At most ``--max-waiting`` leases are held at once (503 beyond). It serves the OpenAI routes too.
 
@@ -57,6 +59,15 @@ block. A prefill worker that cannot be reached (or whose read fails or times out
 and the prompt goes to the next one (a memory worker's failure marks nobody down: the engine
 prefills that prompt here); a down worker is probed on ``/health`` every
 ``PROBE_S`` seconds and used again once it answers. With no worker left the request gets HTTP 503.
+With ``--f-host F`` < 1 the decode worker's host store is a **decode-host cache**
+(``kv/host_cache.py``): it answers for ``1 / F`` times as many host blocks as it has rows, keeps
+each imported block's location (the worker URL, its block id there, the lease) and keeps the lease
+instead of releasing it (renewed with ``POST /v1/kv/renew`` every ``RENEW_S`` seconds). Every
+``LRU_PERIOD`` decode steps an LRU pass brings each running request down to ``F * P + F_gen``
+resident blocks (prompt blocks only, never one a working set holds); a block a selection wants
+that is not resident is read again (one NIXL transfer per worker, on the engine thread, before
+the step's copies into HBM). A lease is released once no block names it (its requests ended). A
+failed read fails that step's requests.
 Every wait has a deadline: an HTTP connection or control message and a NIXL read
 ``--remote-timeout``, a prefill answer ``--prefill-timeout``; a prompt waiting for its KV never
 holds up the engine, which keeps stepping the others. Requests already admitted never depend on a
@@ -72,7 +83,10 @@ prefill histogram asked):
 prefilled here); (prefill and memory worker) ``oasiskv_pd_leases`` and
 ``oasiskv_pd_blocks_exported``; (prefill worker) ``oasiskv_pd_blocks_offloaded{worker}`` and
 ``oasiskv_pd_prefix_blocks_fetched{worker}``; (memory worker) ``oasiskv_pd_blocks_stored`` /
-``oasiskv_pd_blocks_kept`` (read from an offloading worker, or already held).
+``oasiskv_pd_blocks_kept`` (read from an offloading worker, or already held); (decode worker with
+``--f-host`` < 1) ``oasiskv_pd_cache_hits`` / ``_misses`` / ``_evictions`` (blocks) and
+``oasiskv_pd_cache_rows_in_use`` / ``_rows``, and per worker ``oasiskv_pd_cache_reads``,
+``_read_bytes``, ``_read_failures`` and the ``oasiskv_pd_cache_read_seconds`` histogram.
 """
 from __future__ import annotations
 
@@ -86,8 +100,10 @@ from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from oasiskv.kv.exchange import Import, KVExchange, NoRoom
+from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.server.async_engine import AsyncEngine
@@ -97,6 +113,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds between two /health probes of a prefill worker marked down
 PROBE_S = 2.0
+#: seconds between two renewals of a lease the decode-host cache keeps (leases last 60 s)
+RENEW_S = 10.0
 _POLL_S = 0.0005  # between two polls of a NIXL transfer in flight
 
 
@@ -112,16 +130,19 @@ def _agent_name(role: str) -> str:
     return f"oasiskv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-async def _connect(client: httpx.AsyncClient, reader: RemoteReader, url: str) -> str:
-    """Connect ``reader`` to the KV store of the worker at ``url`` (its ``/v1/kv/descriptor``);
-    returns the NIXL peer. Raises ``httpx.HTTPError`` or ``ValueError``."""
-    resp = await client.get(url + "/v1/kv/descriptor")
-    resp.raise_for_status()
-    try:
-        descriptor = base64.b64decode(resp.json()["descriptor"])
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"{url} sent no KV store descriptor") from exc
-    return reader.connect(descriptor)
+async def _connect(client: httpx.AsyncClient, reader: RemoteReader, worker: _Worker) -> str:
+    """``worker.peer``, else connect ``reader`` to the worker's KV store (its
+    ``/v1/kv/descriptor``, kept in ``worker.descriptor``) and set it. Raises ``httpx.HTTPError``
+    or ``ValueError``."""
+    if worker.peer is None:
+        resp = await client.get(worker.url + "/v1/kv/descriptor")
+        resp.raise_for_status()
+        try:
+            descriptor = base64.b64decode(resp.json()["descriptor"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{worker.url} sent no KV store descriptor") from exc
+        worker.peer, worker.descriptor = reader.connect(descriptor), descriptor
+    return worker.peer
 
 
 async def _release(client: httpx.AsyncClient, url: str, lease: str) -> None:
@@ -161,18 +182,23 @@ class _Puller:
         self.tasks = _Tasks()
 
     async def pull(self, peer: str, hashes: list[int], offered: list[int], keep: bool = False,
-                   read=None) -> Import:
+                   read=None, then=None) -> Import:
         """Import blocks ``offered`` of ``peer`` (its ids of the blocks named ``hashes``): hold a
         block here for each (``begin_import``: ``NoRoom`` when there is no room, nothing held),
         read the missing ones (``read(peer, imp, src)``, default ``self.read``: its errors
         propagate, the import given up), then name them (``finish_import``, which passes the holds
-        on with ``keep``)."""
+        on with ``keep``) and, in the same engine-thread call, run ``then(imp)``."""
         imp = await self.bridge.call(lambda: self.exchange.begin_import(hashes),
                                      undo=self.exchange.abort_import)
         if imp.missing:
             await (read or self.read)(peer, imp, [offered[i] for i in imp.missing])
-        await self.bridge.call(lambda: self.exchange.finish_import(imp, keep),
-                               undo=self.exchange.release if keep else None)
+
+        def finish() -> list[int]:
+            blocks = self.exchange.finish_import(imp, keep)
+            if then is not None:
+                then(imp)
+            return blocks
+        await self.bridge.call(finish, undo=self.exchange.release if keep else None)
         return imp
 
     async def read(self, peer: str, imp: Import, src: list[int]) -> None:
@@ -258,7 +284,15 @@ class _KVHolder:
         self.leases[lease] = (blocks, time.monotonic() + self.lease_s)
         self._leases.set(len(self.leases))
         self._exported.inc(len(blocks))
-        return {"lease": lease, "blocks": blocks}
+        return {"lease": lease, "blocks": blocks, "lease_s": self.lease_s}
+
+    def renew(self, lease: str) -> dict:
+        """Hold a lease's blocks ``lease_s`` seconds from now (a decode worker whose cache reads
+        them again keeps its leases while its requests run)."""
+        held = self.leases.get(lease)
+        if held is not None:
+            self.leases[lease] = (held[0], time.monotonic() + self.lease_s)
+        return {"renewed": held is not None}
 
     async def release(self, lease: str) -> dict:
         held = self.leases.pop(lease, None)
@@ -397,8 +431,7 @@ class PrefillService(_KVHolder):
                 worker.up = True
                 if len(offered) <= here:
                     continue
-                peer = worker.peer or await _connect(self._client, self.puller.reader, worker.url)
-                worker.peer = peer
+                peer = await _connect(self._client, self.puller.reader, worker)
                 try:
                     imp = await self.puller.pull(peer, hashes[:len(offered)], offered)
                 except NoRoom as exc:  # no room here for now: prefill them
@@ -528,6 +561,7 @@ class _Worker:
     up: bool = True
     inflight: int = 0
     peer: str | None = None
+    descriptor: bytes | None = None  #: its KV store's, once connected
     last_probe: float = field(default=0.0)
 
     def mark_down(self) -> None:
@@ -538,6 +572,81 @@ class _Worker:
     def usable(self) -> bool:
         """Up, or down for at least ``PROBE_S`` seconds (then tried again)."""
         return self.up or time.monotonic() - self.last_probe >= PROBE_S
+
+
+class _CacheReader:
+    """The decode-host cache's remote tier (``kv.host_cache.RemoteTier``): whole blocks read
+    on the engine thread, in one transfer per worker (``source``: its URL) waited for until the
+    deadline, with a NIXL agent of its own (the admission reader belongs to the event loop's
+    thread); each read counted per worker on /metrics. A worker whose read failed is not tried
+    again for ``PROBE_S`` seconds (its reads fail at once: a dead worker must not cost every step
+    a deadline)."""
+
+    def __init__(self, host: HostCache, descriptor_of, timeout_s: float,
+                 registry: CollectorRegistry):
+        self.reader = RemoteReader(host, _agent_name("decode-cache"), timeout_s)
+        self.descriptor_of, self.block_bytes = descriptor_of, host.layout.host_block_bytes
+        self.peers: dict[str, str] = {}  # worker URL -> NIXL peer
+        self._failed_at: dict[str, float] = {}  # worker URL -> its last failed read
+        by_worker = ["worker"]
+        self._reads = Counter("oasiskv_pd_cache_reads", "NIXL transfers of the decode-host "
+                              "cache: evicted prompt blocks read again", by_worker,
+                              registry=registry)
+        self._bytes = Counter("oasiskv_pd_cache_read_bytes", "Bytes the decode-host cache read "
+                              "again", by_worker, registry=registry)
+        self._failures = Counter("oasiskv_pd_cache_read_failures", "Decode-host cache reads "
+                                 "that failed or timed out", by_worker, registry=registry)
+        self._latency = Histogram("oasiskv_pd_cache_read_seconds", "A decode-host cache read, "
+                                  "from its start to its completion (the engine waits for it)",
+                                  by_worker, buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01,
+                                                      0.025, 0.05, 0.1, 0.25, 1.0),
+                                  registry=registry)
+
+    def read(self, source: str, remote_blocks: list[int], rows: list[int]) -> None:
+        start, transfer = time.monotonic(), None
+        self._reads.labels(source).inc()
+        failures = self._failures.labels(source)  # (the series shows from the first read on)
+        try:
+            since = start - self._failed_at.get(source, -PROBE_S)
+            if since < PROBE_S:
+                raise RemoteReadError(f"a read from {source} failed {since:.1f} s ago")
+            peer = self.peers.get(source)
+            if peer is None:
+                descriptor = self.descriptor_of(source)
+                if descriptor is None:
+                    raise RemoteReadError(f"no KV store descriptor of {source}")
+                peer = self.peers[source] = self.reader.connect(descriptor)
+            transfer = self.reader.read(peer, remote_blocks, rows)
+            transfer.wait()
+        except BaseException as exc:
+            failures.inc()
+            self._failed_at[source] = time.monotonic()
+            exc.unsettled = transfer is not None and not transfer.settled
+            raise
+        self._latency.labels(source).observe(time.monotonic() - start)
+        self._bytes.labels(source).inc(len(rows) * self.block_bytes)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class _CacheCollector:
+    """/metrics of the decode-host cache, read from its counts when scraped."""
+
+    def __init__(self, cache: HostCache):
+        self.cache = cache
+
+    def collect(self):
+        s = self.cache.stats
+        for name, doc, value in (
+                ("hits", "Prompt blocks the decode-host cache held when they were read", s.hits),
+                ("misses", "Prompt blocks it read again from the remote tier", s.misses),
+                ("evictions", "Host rows it took back (LRU)", s.evictions)):
+            yield CounterMetricFamily(f"oasiskv_pd_cache_{name}", doc, value=value)
+        yield GaugeMetricFamily("oasiskv_pd_cache_rows_in_use", "Host rows holding a block",
+                                value=self.cache.rows_in_use)
+        yield GaugeMetricFamily("oasiskv_pd_cache_rows", "Host rows of the decode-host cache",
+                                value=self.cache.num_physical)
 
 
 class DecodeRouter:
@@ -558,9 +667,18 @@ class DecodeRouter:
         self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
         self.workers = [_Worker(url.rstrip("/")) for url in urls]
         self.holders: dict[str, _Worker] = {}  # the memory workers prefill workers named
+        host = self.exchange.kv.host
+        #: the decode-host cache (``--f-host`` < 1): it reads evicted blocks again from the
+        #: worker that holds them, under the lease kept (and renewed) while any block names it
+        self.cache = host if isinstance(host, HostCache) else None
+        self._held: dict[tuple[str, str], float] = {}  # (worker URL, lease) -> next renewal
+        if self.cache is not None:
+            self.cache.reader = _CacheReader(self.cache, self._descriptor_of, timeout_s, registry)
+            registry.register(_CacheCollector(self.cache))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
         self._probe: asyncio.Task | None = None
+        self._renewal: asyncio.Task | None = None
         self._tasks = _Tasks()
         by_worker = ["worker"]  # every counter per prefill worker (its URL)
         self._bytes = Counter("oasiskv_pd_admission_bytes",
@@ -600,15 +718,52 @@ class DecodeRouter:
 
     def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
-        self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
+        loop = asyncio.get_running_loop()
+        self._probe = loop.create_task(self._probe_loop())
+        if self.cache is not None:
+            self.cache.on_lease_idle = lambda key: loop.call_soon_threadsafe(self._let_go, key)
+            self._renewal = loop.create_task(self._renew_loop())
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        for task in (self._probe, self._renewal):
+            if task is not None:
+                task.cancel()
         await self._tasks.wait(self.timeout_s)
         if self._client is not None:
             await self._client.aclose()
         await self.puller.close()
+        if self.cache is not None:
+            self.cache.reader.close()
+
+    def _descriptor_of(self, url: str) -> bytes | None:
+        """The KV store descriptor of the worker at ``url`` (read from the engine thread)."""
+        worker = next((w for w in self.workers if w.url == url), None) or self.holders.get(url)
+        return None if worker is None else worker.descriptor
+
+    def _let_go(self, key: tuple[str, str]) -> None:
+        """No block of the decode-host cache names lease ``key`` any more: release it."""
+        self._held.pop(key, None)
+        self._tasks.spawn(_release(self._client, *key))
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for key, due in list(self._held.items()):
+                if due > now:
+                    continue
+                url, lease = key
+                try:
+                    resp = await self._client.post(url + "/v1/kv/renew", json={"lease": lease})
+                    resp.raise_for_status()
+                    renewed = resp.json()["renewed"]
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    logger.warning("renewing a lease on %s failed: %s", url, exc)
+                    continue
+                if not renewed or key not in self._held:  # expired there, or let go meanwhile
+                    self._held.pop(key, None)
+                else:
+                    self._held[key] = now + RENEW_S
 
     async def admit(self, prompts: list[list[int]]) -> None:
         """Bring in each prompt's complete prefix KV. Raises ``APIError``: 503 when this server
@@ -678,7 +833,8 @@ class DecodeRouter:
         if worker.peer is None:
             d = await self._checked(worker, await self._client.get(worker.url
                                                                    + "/v1/kv/descriptor"))
-            worker.peer = self.puller.reader.connect(base64.b64decode(d["descriptor"]))
+            worker.descriptor = base64.b64decode(d["descriptor"])
+            worker.peer = self.puller.reader.connect(worker.descriptor)
         peer = worker.peer  # (a failure elsewhere may reset the worker's meanwhile)
         start = time.monotonic()
         answer = await self._checked(worker, await self._client.post(
@@ -689,21 +845,27 @@ class DecodeRouter:
         # the blocks sit on a memory worker when the prefill worker offloaded them; that worker's
         # failure is not the prefill worker's: the engine then prefills the prompt here
         holder = answer.get("worker") or worker.url
+        located = False
+
+        def locate(imp: Import) -> None:  # (engine thread) the cache reads them again from there
+            nonlocal located
+            self.cache.locate(imp.blocks, offered[:len(imp.blocks)], holder, (holder, lease))
+            located = True
         try:
             if holder != worker.url:
                 memory = self.holders.setdefault(holder, _Worker(holder))
                 if not memory.usable():
                     return  # it failed just now: the engine prefills the prompt
                 try:
-                    memory.peer = peer = (memory.peer or await _connect(
-                        self._client, self.puller.reader, holder))
+                    peer = await _connect(self._client, self.puller.reader, memory)
                 except (httpx.HTTPError, ValueError) as exc:
                     self._holder_down(memory, exc)
                     return
             try:
                 imp = await self.puller.pull(
                     peer, hashes[:len(offered)], offered,
-                    read=lambda *args: self._read(holder, *args))
+                    read=lambda *args: self._read(holder, *args),
+                    then=locate if self.cache is not None else None)
             except NoRoom as exc:  # no room here: the engine prefills the prompt itself
                 logger.warning("no host blocks to import a prompt's KV into (%s)", exc)
                 return
@@ -718,7 +880,10 @@ class DecodeRouter:
             self._imported.labels(holder).inc(len(imp.missing))
             self._reused.labels(holder).inc(len(imp.blocks) - len(imp.missing))
         finally:
-            self._tasks.spawn(_release(self._client, holder, lease))
+            if located:  # kept while the cache's blocks name it (``_let_go``)
+                self._held[(holder, lease)] = time.monotonic() + RENEW_S
+            else:
+                self._tasks.spawn(_release(self._client, holder, lease))
 
     @staticmethod
     def _holder_down(memory: _Worker, exc: BaseException) -> None:

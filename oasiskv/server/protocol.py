@@ -124,7 +124,8 @@ class KVPromptRequest(_Request):
 
 
 class KVReleaseRequest(_Request):
-    """Disaggregated serving, to a prefill or memory worker: let go of a lease's blocks."""
+    """Disaggregated serving, to a prefill or memory worker: let go of a lease's blocks (or,
+    to ``/v1/kv/renew``, hold them longer)."""
     lease: str = Field(max_length=64)
 
 

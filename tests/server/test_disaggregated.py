@@ -377,3 +377,54 @@ def test_a_busy_or_refusing_prefill_worker_is_not_marked_down(tmp_path, fixtures
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_bounded_decode_host_reads_evicted_blocks_again(launch, fixtures_path):
+    """--f-host 0.25: a decode worker keeps a quarter of each prompt's blocks (and what it
+    generates) in host memory and reads evicted ones again from the prefill worker over NIXL when
+    a selection wants them. It answers as a decode worker that keeps every block (same import, K
+    = 2, so selections move); its reads, misses and evictions are on /metrics, each read whole
+    blocks; its leases are held while the requests run and released after. When the prefill
+    worker dies mid-decode, the requests whose blocks it held end with an error once they need one
+    of them again; a request with nothing there goes on to its last token, and the decode worker
+    stays up with every block free."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(5, 4000) for _ in range(1000)] for _ in range(3)]
+    flags = ("--topk-blocks", "2", "--draft", "ngram", "--host-kv-gib", "0.05")
+    prefill = launch("prefill", *flags, "--role", "prefill")
+    full = launch("decode-full", *flags, "--role", "decode", "--prefill-url", prefill.url)
+    cache = launch("decode-cache", *flags, "--role", "decode", "--prefill-url", prefill.url,
+                   "--f-host", "0.25")
+    want = [answer(complete(full, ids, 48)) for ids in prompts]
+    assert released(prefill)
+    with ThreadPoolExecutor(3) as pool:
+        got = [answer(r) for r in pool.map(lambda ids: complete(cache, ids, 48), prompts)]
+    assert got == want
+    m = pd_metrics(cache)
+    assert m["oasiskv_pd_cache_evictions_total"] > 0 and m["oasiskv_pd_cache_misses_total"] > 0
+    assert m["oasiskv_pd_cache_hits_total"] > 0
+    assert m["oasiskv_pd_cache_read_bytes_total"] == (
+        m["oasiskv_pd_cache_misses_total"] * block_bytes(fixtures_path))
+    assert m["oasiskv_pd_cache_reads_total"] == m["oasiskv_pd_cache_read_seconds_count"] > 0
+    assert m["oasiskv_pd_cache_read_failures_total"] == 0
+    assert 0 < m["oasiskv_pd_cache_rows_in_use"] <= m["oasiskv_pd_cache_rows"]
+    assert released(prefill)
+
+    fresh = [[rng.randrange(5, 4000) for _ in range(1000)] for _ in range(2)]
+    short = [7, 8, 9, 10, 11]  # less than a block: nothing on the prefill worker
+    want_short = answer(complete(full, short, 600))
+    with ThreadPoolExecutor(3) as pool:
+        doomed = [pool.submit(complete, cache, ids, 900) for ids in fresh]
+        alive = pool.submit(complete, cache, short, 600)
+        deadline = time.monotonic() + 60
+        while (cache.metrics()["oasiskv_num_requests_running"] < 3
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        prefill.stop(signal.SIGKILL)
+        for future in doomed:
+            resp = future.result()
+            assert resp.status_code == 500, resp.text
+            assert "KV blocks" in resp.json()["error"]["message"]
+        assert answer(alive.result()) == want_short
+    assert pd_metrics(cache)["oasiskv_pd_cache_read_failures_total"] > 0
+    assert cache.wait_idle()["oasiskv_num_requests_running"] == 0
