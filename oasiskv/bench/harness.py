@@ -38,6 +38,9 @@ class EmulatedHostStore(HostStore):
     def physical_blocks(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(ids >= 0, ids % self.num_physical, ids)
 
+    def rows_of(self, ids: list[int]) -> list[int]:
+        return [i % self.num_physical for i in ids]
+
     def physical_slots(self, slots: torch.Tensor) -> torch.Tensor:
         span = self.num_physical * self.layout.block_size
         return torch.where(slots >= 0, slots % span, slots)

@@ -83,7 +83,7 @@ class HostCache(HostStore):
         self.f_host = f_host
         self.rows = torch.full((self.num_blocks,), -1, dtype=torch.long, device=device)
         self._row_of = np.full(self.num_blocks, -1, dtype=np.int64)
-        self._free_rows = list(range(self.num_physical - 1, -1, -1))
+        self._free_rows = list(range(self.num_physical))  # (the last row is handed out first)
         self._dirty: dict[int, int] = {}  # id -> row, not yet on the device
         #: resident blocks that may give their row back, least recently used first
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -106,7 +106,7 @@ class HostCache(HostStore):
     # ---- what a step reads and writes --------------------------------------------------------
     def physical_blocks(self, ids: torch.Tensor) -> torch.Tensor:
         if not self._capturing():
-            self.make_resident(ids[ids >= 0].unique().tolist())
+            self.make_resident(ids[ids >= 0].unique().tolist(), partial=True)
         return torch.where(ids >= 0, self.rows[ids.clamp(min=0)], ids)
 
     def physical_slots(self, slots: torch.Tensor) -> torch.Tensor:
@@ -115,6 +115,12 @@ class HostCache(HostStore):
             self.make_resident((slots[slots >= 0] // B).unique().tolist())
         rows = self.rows[(slots // B).clamp(min=0)]
         return torch.where((slots >= 0) & (rows >= 0), rows * B + slots % B, -1)
+
+    def rows_of(self, ids: list[int]) -> list[int]:
+        rows = self._row_of[np.asarray(ids, dtype=np.int64)]
+        if (rows < 0).any():
+            raise ValueError("rows asked for blocks that are not resident")
+        return rows.tolist()
 
     def _capturing(self) -> bool:
         return self.rows.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -126,11 +132,14 @@ class HostCache(HostStore):
     def rows_in_use(self) -> int:
         return self.num_physical - len(self._free_rows)
 
-    def make_resident(self, blocks: Iterable[int]) -> None:
+    def make_resident(self, blocks: Iterable[int], partial: bool = False) -> None:
         """Give every block in ``blocks`` a row, reading the located ones from their remote tier
-        (one read per source); flushes. A read that fails leaves its blocks not resident (rows -1:
-        copies skip them) and in ``failed`` until ``take_failed``; ``NoHostRows`` (nothing
-        changed) when no row can be taken back."""
+        (one read per source, after the device has finished every copy out of the store: a row
+        may have held another block); flushes. A read that fails leaves its blocks not resident
+        (rows -1: copies skip them) and in ``failed`` until ``take_failed``. When no row can be
+        taken back: ``NoHostRows`` (nothing changed), or with ``partial`` the blocks left without
+        a row are failed the same way (one step wanting more blocks at once than there are rows
+        ends the sequences that wanted those, not the step)."""
         blocks = list(dict.fromkeys(blocks))
         missing = [b for b in blocks if self._row_of[b] < 0]
         self.touch(blocks)
@@ -142,13 +151,22 @@ class HostCache(HostStore):
                 for b in missing:
                     taken.append(self._take_row(keep))
             except NoHostRows:
-                self._free_rows.extend(taken)
-                raise
+                if not partial:
+                    self._free_rows.extend(taken)
+                    raise
+                why = (f"{len(blocks)} blocks were wanted resident at once, more than the "
+                       f"decode-host cache's {self.num_physical} rows hold besides blocks in use: "
+                       "raise --host-kv-gib or --f-host")
+                logger.error("%s", why)
+                self.failed.update(dict.fromkeys(missing[len(taken):], why))
+                missing = missing[:len(taken)]
             reads: defaultdict[Hashable, list[tuple[int, int]]] = defaultdict(list)
             for b, row in zip(missing, taken):
                 loc = self.where.get(b)
                 if loc is not None:
                     reads[loc.source].append((loc.block, row))
+            if reads and self.rows.is_cuda:
+                torch.cuda.synchronize()
             unread: set[int] = set()
             for source, pairs in reads.items():
                 self.stats.remote_reads += 1

@@ -49,6 +49,11 @@ class HostStore:
         """Host block ids (negative = none) -> rows of ``k``/``v``."""
         return ids
 
+    def rows_of(self, ids: list[int]) -> list[int]:
+        """Host block ids (resident ones) -> rows of ``k``/``v``, on the host (what a transfer
+        into the store addresses)."""
+        return list(ids)
+
     def physical_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Token slots ``block * B + offset`` (negative = none) -> slots in the rows of
         ``k``/``v``."""

@@ -218,8 +218,9 @@ class RemoteReader:
         del self.peers[peer]
 
     def read(self, peer: str, src_blocks, dst_blocks, layer: int | None = None) -> Transfer:
-        """Start copying blocks ``src_blocks`` of ``peer`` into local blocks ``dst_blocks`` (equal
-        length sequences of ids), at ``layer`` only or whole (``layer=None``), as one transfer."""
+        """Start copying blocks ``src_blocks`` of ``peer`` into rows ``dst_blocks`` of the local
+        store (``HostStore.rows_of`` of its block ids; equal-length sequences), at ``layer`` only
+        or whole (``layer=None``), as one transfer."""
         info = self.peers[peer]
         if min(src_blocks, default=0) < 0 or min(dst_blocks, default=0) < 0:
             raise ValueError("negative block id")

@@ -136,7 +136,7 @@ class LookaheadRetrieval(Retrieval):
         rows when it runs."""
         self.pipeline.wait_selections()
         ids = torch.cat([items[0, :self._due_items] for items in self._copy_lists]).unique()
-        self.kv.host.make_resident(ids[ids >= 0].tolist())
+        self.kv.host.make_resident(ids[ids >= 0].tolist(), partial=True)
 
     def begin_capture(self) -> None:
         self.pipeline.join()

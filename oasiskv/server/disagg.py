@@ -204,7 +204,8 @@ class _Puller:
     async def read(self, peer: str, imp: Import, src: list[int]) -> None:
         """Blocks ``src`` of ``peer`` into the import's missing blocks."""
         try:
-            transfer = self.reader.read(peer, src, [imp.blocks[i] for i in imp.missing])
+            rows = self.exchange.kv.host.rows_of([imp.blocks[i] for i in imp.missing])
+            transfer = self.reader.read(peer, src, rows)
         except BaseException:
             await self.bridge.call(lambda: self.exchange.abort_import(imp))
             raise

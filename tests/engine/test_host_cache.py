@@ -9,11 +9,10 @@ import random
 import pytest
 import torch
 
-from oasiskv import LLM
+from oasiskv.bench.host_cache import decode_imported
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.host_cache import HostCache, NoHostRows
 from oasiskv.kv.layout import TieredLayout
-from tests.engine.test_kv_exchange import copy_blocks, exchange, prefill_and_export
 from tests.engine.test_oasis import GREEDY, prompts
 from tests.helpers import write_tiny_checkpoint
 
@@ -27,57 +26,15 @@ def tiny(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("m"), "qwen3")
 
 
-class StoreTier:
-    """A remote tier that is another host store of this process: whole blocks, K, V and scales."""
-
-    def __init__(self, src, dst):
-        self.src, self.dst, self.blocks = src, dst, 0
-        self.down: set[str] = set()  # sources whose reads fail
-
-    def read(self, source, remote_blocks, rows):
-        if source in self.down:
-            raise ConnectionError(f"{source} is gone")
-        a, b = self.src, self.dst
-        for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
-            y[torch.tensor(rows)] = x[torch.tensor(remote_blocks)]
-        self.blocks += len(rows)
-
-
-def decode_imported(tiny, batch, f_host, device="cpu", down=()):
-    """Prefill ``batch`` on one engine, import every prompt's blocks into a decode engine (with
-    ``f_host < 1`` located on the first one's store, as source ``prompt-i``; reads from sources
-    ``down`` fail), decode them all at once there. Returns the outputs, the decode engine's host
-    store and the leases it let go."""
-    prefill = LLM(str(tiny), device=device, **TIER)
-    decode = LLM(str(tiny), f_host=f_host, device=device, **TIER)
-    assert (decode.engine.runner.graphs is not None) == (device == "cuda")
-    src, dst = exchange(prefill), exchange(decode)
-    host, idle = dst.kv.host, []
-    if f_host < 1:
-        host.reader = StoreTier(src.kv.host, host)
-        host.reader.down.update(down)
-        host.on_lease_idle = idle.append
-    for lease, ids in enumerate(batch):
-        offered = prefill_and_export(prefill, ids)
-        imp = dst.begin_import(dst.prompt_hashes(ids)[:len(offered)])
-        copy_blocks(src, dst, [offered[i] for i in imp.missing],
-                    [imp.blocks[i] for i in imp.missing])
-        dst.finish_import(imp)
-        if f_host < 1:
-            host.locate(imp.blocks, offered, f"prompt-{lease}", lease)
-    outs = decode.generate(batch, GREEDY)
-    decode.engine.allocator.check_invariants([])
-    return outs, host, idle
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_bounded_decode_host_decodes_the_tokens_of_one_that_keeps_everything(tiny, device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     batch = prompts(3, lo=500, hi=700, seed=21)
-    want, _, _ = decode_imported(tiny, batch, 1.0, device)
-    got, host, idle = decode_imported(tiny, batch, 0.25, device)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    want = decode_imported(str(tiny), batch, GREEDY, 1.0, device=device, **TIER)
+    run = decode_imported(str(tiny), batch, GREEDY, 0.25, device=device, **TIER)
+    assert [o.token_ids for o in run.outputs] == [o.token_ids for o in want.outputs]
+    host, idle = run.host, run.idle
     assert isinstance(host, HostCache) and host.num_blocks == 4 * host.num_physical
     # prompt blocks were evicted by the LRU pass and read again when selected
     assert host.stats.evictions > 0 and host.stats.misses > 0
@@ -89,11 +46,12 @@ def test_a_bounded_decode_host_decodes_the_tokens_of_one_that_keeps_everything(t
 
 def test_a_lost_remote_tier_ends_only_the_requests_whose_blocks_it_held(tiny):
     batch = prompts(3, lo=500, hi=700, seed=21)
-    want, _, _ = decode_imported(tiny, batch, 1.0)
-    got, host, idle = decode_imported(tiny, batch, 0.25, down={"prompt-1"})
+    want = [o.token_ids for o in decode_imported(str(tiny), batch, GREEDY, 1.0, **TIER).outputs]
+    run = decode_imported(str(tiny), batch, GREEDY, 0.25, down=("prompt-1",), **TIER)
+    got, host, idle = run.outputs, run.host, run.idle
     assert got[1].finish_reason == "error" and "prompt-1 is gone" in got[1].error
-    assert len(got[1].token_ids) < len(want[1].token_ids)
-    assert [got[i].token_ids for i in (0, 2)] == [want[i].token_ids for i in (0, 2)]
+    assert len(got[1].token_ids) < len(want[1])
+    assert [got[i].token_ids for i in (0, 2)] == [want[i] for i in (0, 2)]
     assert host.stats.misses > 0 and sorted(idle) == [0, 1, 2] and not host.where
     host.check_invariants()
 
@@ -167,3 +125,31 @@ def test_random_use_keeps_the_cache_consistent():
     for t in tables:
         alloc.release(t)
     assert not host.where and not alloc.held
+
+
+def test_more_blocks_at_once_than_rows_fail_those_blocks_not_the_caller():
+    layout = TieredLayout(1, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
+    host = HostCache(layout, 32, False, 4, torch.device("cpu"), 0.5)
+    alloc = TieredAllocator(32, 2, 16, host=host)
+    blocks = alloc.hold_new(4)
+    host.locate(blocks, blocks, "peer", "lease")
+
+    class Tier:
+        def read(self, source, remote_blocks, rows):
+            pass
+
+    host.reader = Tier()
+    host.enforce_budgets([(blocks, 4)], set())  # 2 of 4 evicted
+    more = alloc.hold_new(2)  # in use, not located: they keep the two free rows
+    assert all(host.resident(b) for b in more)
+    resident = [b for b in blocks if host.resident(b)]
+    assert len(resident) == 2
+    with pytest.raises(NoHostRows):  # four blocks at once, two rows to be had
+        host.make_resident(blocks)
+    assert not host.failed and [b for b in blocks if host.resident(b)] == resident
+    host.make_resident(blocks, partial=True)
+    assert [b for b in blocks if host.resident(b)] == resident
+    failed = host.take_failed()
+    assert sorted(failed) == sorted(set(blocks) - set(resident))
+    assert "rows" in next(iter(failed.values()))
+    host.check_invariants()

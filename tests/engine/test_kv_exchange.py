@@ -4,9 +4,9 @@ rest of the prompt and decodes the tokens one engine decodes alone, with K cover
 prefix it already holds is not read again; holds never leak; a full host store refuses with nothing
 held."""
 import pytest
-import torch
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.bench.host_cache import copy_blocks
 from oasiskv.kv.exchange import KVExchange
 from tests.engine.test_oasis import GREEDY, prompts
 from tests.helpers import write_tiny_checkpoint
@@ -21,13 +21,6 @@ def tiny(tmp_path_factory):
 
 def exchange(llm) -> KVExchange:
     return KVExchange(llm.engine.runner.backend)
-
-
-def copy_blocks(src: KVExchange, dst: KVExchange, src_blocks, dst_blocks) -> None:
-    """What a NIXL read does: whole host blocks (K, V, FP8 scales) from one store into another."""
-    a, b = src.kv.host, dst.kv.host
-    for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
-        y[torch.tensor(dst_blocks)] = x[torch.tensor(src_blocks)]
 
 
 def prefill_and_export(prefill: LLM, ids):

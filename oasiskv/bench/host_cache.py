@@ -1,0 +1,170 @@
+"""How a decode-host cache (``--f-host``) behaves on a trained model, on any device, in one process.
+
+``python -m oasiskv.bench.host_cache MODEL --text HELD_OUT.json [--requests 4] [--prompt-len 4096]
+[--max-tokens 64] [--f-host 0.2,0.5] [--topk-blocks 32] [--fetch-ratio 0.05] [--draft ngram]``
+
+One engine prefills each prompt (windows of held-out text) and holds its blocks, as a prefill
+worker does; a decode engine imports them as a full transfer, locates them on the first engine's
+store (``StoreTier``: the remote tier is that store, read with a copy, in this process: no NIXL)
+and decodes every prompt at once, greedy, once with every block kept (f_host 1) and once per
+``--f-host`` value. Reported per run: decode steps, the blocks read again per request per step
+(misses), as GB, evictions, the hit rate of prompt blocks the steps read, the host rows in use
+per request (the most, at admission, and the mean from the first LRU pass on), and whether the
+tokens equal f_host 1's. Random weights make every head admit its full cap every step (the worst
+case for the cache); a trained model says how often a selection leaves the cache. A table, then
+one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.attention.sparse import LRU_PERIOD
+from oasiskv.bench.fidelity import windows
+from oasiskv.kv.exchange import KVExchange
+from oasiskv.kv.host_cache import HostCache
+from oasiskv.kv.host_store import HostStore
+
+
+class StoreTier:
+    """A remote tier that is another host store of this process (``kv.host_cache.RemoteTier``):
+    whole blocks, K, V and FP8 scales, copied; reads from a source in ``down`` fail."""
+
+    def __init__(self, src: HostStore, dst: HostStore):
+        self.src, self.dst, self.blocks = src, dst, 0
+        self.down: set[str] = set()
+
+    def read(self, source: str, remote_blocks: list[int], rows: list[int]) -> None:
+        if source in self.down:
+            raise ConnectionError(f"{source} is gone")
+        a, b = self.src, self.dst
+        for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
+            y[torch.tensor(rows)] = x[torch.tensor(a.rows_of(remote_blocks))]
+        self.blocks += len(rows)
+
+
+def copy_blocks(src: KVExchange, dst: KVExchange, src_blocks: list[int],
+                dst_blocks: list[int]) -> None:
+    """What a NIXL read does: whole host blocks (K, V, FP8 scales) from one store into another."""
+    a, b = src.kv.host, dst.kv.host
+    rows = torch.tensor(b.rows_of(dst_blocks), dtype=torch.long)
+    for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
+        y[rows] = x[torch.tensor(a.rows_of(src_blocks), dtype=torch.long)]
+
+
+@dataclass
+class Imported:
+    """A decode engine after ``decode_imported``: its outputs, its host store and the leases it let
+    go, and what it did per decode step (``rows``: host rows in use after each)."""
+    outputs: list
+    host: HostStore
+    idle: list
+    steps: int
+    rows: list[int]
+
+
+def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams, f_host: float,
+                    down: tuple[str, ...] = (), **engine) -> Imported:
+    """Prefill ``prompts`` on one engine, import every prompt's blocks into a decode engine (with
+    ``f_host < 1`` located on the first one's store, as source ``prompt-i`` under lease ``i``;
+    reads from sources in ``down`` fail), then decode them all at once there. ``engine``: the
+    engines' settings (tiered KV, a lookahead draft)."""
+    prefill = LLM(model, **engine)
+    decode = LLM(model, f_host=f_host, **engine)
+    src, dst = KVExchange(prefill.engine.runner.backend), KVExchange(decode.engine.runner.backend)
+    host, idle = dst.kv.host, []
+    if isinstance(host, HostCache):
+        host.reader = StoreTier(src.kv.host, host)
+        host.reader.down.update(down)
+        host.on_lease_idle = idle.append
+    for lease, ids in enumerate(prompts):
+        prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0))
+        offered = src.export(ids)
+        if len(offered) < len(src.prompt_hashes(ids)):
+            raise RuntimeError("the prefill engine could not hold a prompt's blocks")
+        imp = dst.begin_import(dst.prompt_hashes(ids)[:len(offered)])
+        copy_blocks(src, dst, [offered[i] for i in imp.missing],
+                    [imp.blocks[i] for i in imp.missing])
+        dst.finish_import(imp)
+        if isinstance(host, HostCache):
+            host.locate(imp.blocks, offered, f"prompt-{lease}", lease)
+    eng, finals, rows = decode.engine, {}, []
+    for i, ids in enumerate(prompts):
+        eng.add_request(ids, params, request_id=str(i))
+    steps = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+        rows.append(host.rows_in_use if isinstance(host, HostCache) else 0)
+    eng.allocator.check_invariants([])
+    return Imported([finals[str(i)] for i in range(len(prompts))], host, idle, steps, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--text", required=True, help='JSON file {"docs": [...]} of held-out text')
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--f-host", default="0.2,0.5")
+    parser.add_argument("--topk-blocks", type=int, default=32)
+    parser.add_argument("--fetch-ratio", type=float, default=0.05)
+    parser.add_argument("--draft", default="ngram")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args(argv)
+    engine = dict(kv_mode="oasis", topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio,
+                  draft=args.draft, device=args.device, dtype=args.dtype,
+                  max_model_len=args.prompt_len + args.max_tokens + 16,
+                  host_kv_gib=0.0)
+    probe = LLM(args.model, **engine)
+    prompts = windows(probe.engine, args.text, args.requests, args.prompt_len)
+    lay = probe.engine.runner.backend.kv.layout
+    del probe
+    # the host store holds every prompt twice over: held blocks may fill at most half of it
+    # (``kv.exchange.MAX_HELD_SHARE``), and the decode engine's rows with f_host < 1
+    engine["host_kv_gib"] = 3 * args.requests * (args.prompt_len + args.max_tokens) * (
+        lay.host_block_bytes / lay.block_size) / 2**30
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    full = decode_imported(args.model, prompts, params, 1.0, **engine)
+    want = [o.token_ids for o in full.outputs]
+    points = []
+    for f_host in [float(f) for f in args.f_host.split(",")]:
+        run = decode_imported(args.model, prompts, params, f_host, **engine)
+        s, n = run.host.stats, args.requests
+        same = sum(o.token_ids == w for o, w in zip(run.outputs, want))
+        points.append({"f_host": f_host, "steps": run.steps, **asdict(s),
+                       "misses_per_request_step": s.misses / n / max(1, run.steps),
+                       "read_gb": s.misses * lay.host_block_bytes / 1e9,
+                       "hit_rate": s.hits / max(1, s.hits + s.misses),
+                       "rows_peak_per_request": max(run.rows) / n,
+                       # after the first LRU pass, until the first request ends
+                       "rows_mean_per_request": sum(run.rows[LRU_PERIOD:-1]) / max(
+                           1, len(run.rows[LRU_PERIOD:-1])) / n,
+                       "prompt_blocks_per_request": (args.prompt_len - 1) // lay.block_size,
+                       "tokens_equal": f"{same}/{n}"})
+    print(f"{'f_host':>6} {'steps':>6} {'misses/req/step':>16} {'read GB':>8} "
+          f"{'evictions':>10} {'hit rate':>9} {'rows peak/req':>14} {'rows mean/req':>14} "
+          f"{'prompt blocks/req':>18} {'tokens = f_host 1':>18}")
+    for p in points:
+        print(f"{p['f_host']:6.2f} {p['steps']:6d} {p['misses_per_request_step']:16.2f} "
+              f"{p['read_gb']:8.3f} {p['evictions']:10d} {p['hit_rate']:9.3f} "
+              f"{p['rows_peak_per_request']:14.1f} {p['rows_mean_per_request']:14.1f} "
+              f"{p['prompt_blocks_per_request']:18d} {p['tokens_equal']:>18}")
+    print(json.dumps({"model": args.model, "requests": args.requests,
+                      "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                      "topk_blocks": args.topk_blocks, "fetch_ratio": args.fetch_ratio,
+                      "draft": args.draft, "points": points}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
