@@ -20,10 +20,13 @@ from oasiskv.kernels.fp8 import FP8, check_scales
 
 _LOG2E = 1.4426950408889634
 # Launch config: (KV tokens per inner-loop iteration (several blocks per tile when block_size is
-# small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16) for 16-bit and FP8
-# caches alike. (FP8 once used 128-token tiles; with the value scales folded into the softmax
-# weights, 64 keeps 3 programs per SM instead of 2 and is 10-14% faster: docs/benchmarks.md §14.)
+# small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16). 16-bit caches (and
+# the sparse kernel): 64-token tiles, 2 stages. FP8 paged decode loads each tile's block ids and
+# scales one iteration ahead (INDEX_AHEAD), which lets 3 stages pipeline: 128-token tiles, 3
+# stages, 2.5% faster at 46 x 32K and 8% at 128 x 32K than 64 / 2 without (docs/benchmarks.md §15;
+# the same loading order costs 16-bit caches 3-5%).
 _LAUNCH = (64, 4, 2)
+_LAUNCH_FP8_PAGED = (128, 4, 3)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -48,6 +51,21 @@ def _load_scales(scale_ptr, offs, valid, TILE: tl.constexpr, QUANT: tl.constexpr
     if QUANT:
         return tl.load(scale_ptr + offs, mask=valid, other=0.0)
     return tl.full([TILE], 1.0, tl.float32)
+
+
+@triton.jit
+def _tile_index(bt_row, k_scale_ptr, v_scale_ptr, blk0, blk_end, ctx_len, tile_blk, tile_off,
+                head_offset, stride_sb, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                QUANT: tl.constexpr):
+    """The tile of TILE tokens starting at table entry ``blk0``: (block ids ``[TILE]`` int64 (0 past
+    ``blk_end``), valid tokens ``[TILE]``, key scales, value scales (``_load_scales``))."""
+    blk = blk0 + tile_blk
+    blk_ok = blk < blk_end
+    valid = blk_ok & (blk * BLOCK_SIZE + tile_off < ctx_len)
+    block_id = tl.load(bt_row + blk, mask=blk_ok, other=0).to(tl.int64)
+    scale_offs = block_id * stride_sb + head_offset + tile_off
+    return (block_id, valid, _load_scales(k_scale_ptr, scale_offs, valid, TILE, QUANT),
+            _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT))
 
 
 @triton.jit
@@ -164,7 +182,7 @@ def _decode_split_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MIN_BLOCKS: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
-    FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+    FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr, INDEX_AHEAD: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
 
@@ -207,25 +225,33 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    # INDEX_AHEAD (FP8): a tile's block ids and scales are loaded one iteration ahead, so the K/V
+    # loads (the pipelined ones) never wait on the block table or the small scale loads.
+    head_offset = kv_head * stride_sh
+    block_id, valid, k_scale, v_scale = _tile_index(
+        bt_row, k_scale_ptr, v_scale_ptr, blk_start, blk_end, ctx_len, tile_blk, tile_off,
+        head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
     for blk0 in range(blk_start, blk_end, BLOCKS_PER_ITER):
-        blk = blk0 + tile_blk
-        blk_ok = blk < blk_end
-        valid = blk_ok & (blk * BLOCK_SIZE + tile_off < ctx_len)
-        block_id = tl.load(bt_row + blk, mask=blk_ok, other=0).to(tl.int64)
+        if not INDEX_AHEAD:
+            block_id, valid, k_scale, v_scale = _tile_index(
+                bt_row, k_scale_ptr, v_scale_ptr, blk0, blk_end, ctx_len, tile_blk, tile_off,
+                head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
         block_base = block_id * stride_cb
-        scale_offs = block_id * stride_sb + kv_head * stride_sh + tile_off
-
         kt = tl.load(k_cache_ptr + block_base[None, :] + kt_in_block, mask=valid[None, :],
                      other=0.0)
-        k_scale = _load_scales(k_scale_ptr, scale_offs, valid, TILE, QUANT)
-        p, alpha, m_new, l_i = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
-                                             DOT_PRECISION, FP8_DOT)
         v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None],
                     other=0.0)
-        v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
+        if INDEX_AHEAD:
+            next_id, next_valid, next_k_scale, next_v_scale = _tile_index(
+                bt_row, k_scale_ptr, v_scale_ptr, blk0 + BLOCKS_PER_ITER, blk_end, ctx_len,
+                tile_blk, tile_off, head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
+        p, alpha, m_new, l_i = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
+                                             DOT_PRECISION, FP8_DOT)
         acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT,
                                          INTERPRETED)
         m_i = m_new
+        if INDEX_AHEAD:
+            block_id, valid, k_scale, v_scale = next_id, next_valid, next_k_scale, next_v_scale
 
     _store_split(acc, m_i, _row_denominator(l_i, FP8_DOT), out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
                  rows, split, num_splits, tl.num_programs(1) * G, q_heads, g_mask, offs_d,
@@ -266,10 +292,11 @@ def fp8_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
     return cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def launch_config(launch: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+def launch_config(launch: tuple[int, int, int] | None = None,
+                  fp8_paged: bool = False) -> tuple[int, int, int]:
     """(tokens per iteration, warps, stages) for decode: ``launch`` when given (the kernel
-    benchmark's sweep), else the tuned one."""
-    return launch or _LAUNCH
+    benchmark's sweep), else the tuned one (``fp8_paged``: paged decode over an FP8 cache)."""
+    return launch or (_LAUNCH_FP8_PAGED if fp8_paged else _LAUNCH)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -384,7 +411,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
 
     max_blocks = block_tables.shape[1]
-    tokens, warps, stages = launch_config(launch)
+    quant = scales is not None
+    tokens, warps, stages = launch_config(launch, quant)
     key = (q.device, q.dtype, k_cache.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
            tokens, warps, stages)
     if blocks_per_split is None:
@@ -411,8 +439,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, tokens // block_size),
         MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct,
-        DOT_PRECISION="ieee" if fp32 else "tf32", QUANT=scales is not None,
-        FP8_DOT=fp8_dot(q, k_cache), INTERPRETED=not q.is_cuda, num_warps=warps,
+        DOT_PRECISION="ieee" if fp32 else "tf32", QUANT=quant,
+        FP8_DOT=fp8_dot(q, k_cache), INTERPRETED=not q.is_cuda, INDEX_AHEAD=quant, num_warps=warps,
         num_stages=stages,
     )
     if key not in _waves and q.is_cuda:
