@@ -67,7 +67,7 @@ instead of releasing it (renewed with ``POST /v1/kv/renew`` every ``RENEW_S`` se
 resident blocks (prompt blocks only, never one a working set holds); a block a selection wants
 that is not resident is read again (one NIXL transfer per worker, on the engine thread, before
 the step's copies into HBM). A lease is released once no block names it (its requests ended). A
-failed read fails that step's requests.
+failed read ends the requests whose blocks it was reading, with an error; the others go on.
 Every wait has a deadline: an HTTP connection or control message and a NIXL read
 ``--remote-timeout``, a prefill answer ``--prefill-timeout``; a prompt waiting for its KV never
 holds up the engine, which keeps stepping the others. Requests already admitted never depend on a
