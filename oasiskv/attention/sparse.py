@@ -238,6 +238,10 @@ class SparseBackend(AttentionBackend):
                 why = next((lost[b] for b in seq.block_table if b in lost), None)
                 if why is not None:
                     failed[seq.seq_id] = why
+                    # what this step computed for it may have read missing bytes: no prefix
+                    # cache entry of it may outlive it (blocks a remote tier holds are sound)
+                    self.allocator.forget(b for b in seq.block_table
+                                          if b not in self.kv.host.where)
         lay = self.kv.layout
         counters, per_layer = self.kv.counters.read()
         counters["stall_seconds"] = counters.pop("stall_ns") / 1e9

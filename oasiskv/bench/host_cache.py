@@ -36,16 +36,23 @@ class StoreTier:
     whole blocks, K, V and FP8 scales, copied; reads from a source in ``down`` fail."""
 
     def __init__(self, src: HostStore, dst: HostStore):
-        self.src, self.dst, self.blocks = src, dst, 0
+        self.src, self.dst = src, dst
+        self.units = self.layer_units = 0  # units read, and of those one layer of a block
         self.down: set[str] = set()
 
-    def read(self, source: str, remote_blocks: list[int], rows: list[int]) -> None:
+    def read(self, source: str, remote_blocks: list[int], rows: list[int],
+             layers: list[int]) -> None:
         if source in self.down:
             raise ConnectionError(f"{source} is gone")
         a, b = self.src, self.dst
         for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
-            y[torch.tensor(rows)] = x[torch.tensor(a.rows_of(remote_blocks))]
-        self.blocks += len(rows)
+            for src, row, layer in zip(a.rows_of(remote_blocks), rows, layers):
+                if layer < 0:
+                    y[row] = x[src]
+                else:
+                    y[row, layer] = x[src, layer]
+        self.units += len(rows)
+        self.layer_units += sum(layer >= 0 for layer in layers)
 
 
 def copy_blocks(src: KVExchange, dst: KVExchange, src_blocks: list[int],
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(o.token_ids == w for o, w in zip(run.outputs, want))
         points.append({"f_host": f_host, "steps": run.steps, **asdict(s),
                        "misses_per_request_step": s.misses / n / max(1, run.steps),
-                       "read_gb": s.misses * lay.host_block_bytes / 1e9,
+                       "read_gb": s.bytes / 1e9,
                        "hit_rate": s.hits / max(1, s.hits + s.misses),
                        "rows_peak_per_request": max(run.rows) / n,
                        # after the first LRU pass, until the first request ends

@@ -85,6 +85,11 @@ class TieredAllocator(BlockManager):
         super()._drop(blocks)
         self.host.released([b for b in blocks if not self.ref_counts[b]])
 
+    def forget(self, blocks: Iterable[int]) -> None:
+        """``blocks``' contents can no longer be trusted: out of the prefix cache."""
+        for b in blocks:
+            self._forget_hash(b)
+
     def free(self, seq: Sequence) -> None:
         super().free(seq)
         slot = self.slot_of.pop(seq.seq_id, None)

@@ -10,10 +10,12 @@ selection wants it. Blocks nobody located (generated ones, prompts prefilled her
 while in use.
 
 Residency, eagerly: ``physical_blocks`` / ``physical_slots`` outside a CUDA-graph capture first make
-every id they are given resident (a new block gets a row, a located one is read from its remote
-tier: ``reader.read``, blocking, with the reader's deadline); inside a capture they only look ids
-up, and whoever replays the graph calls ``make_resident`` on what it will read first (the lookahead
-retrieval does, for each step's copy lists, before their tail). Row-table updates reach the device
+every id they are given resident at the layer the caller reads (a new block gets a row; a located
+one's missing (block, layer) units are read from its remote tier: ``reader.read``, blocking, with
+the reader's deadline; a row records which layers it holds, so a block read again for one layer
+costs one layer's bytes); inside a capture they only look ids up, and whoever replays the graph
+calls ``make_resident_layers`` on what it will read first (the lookahead retrieval does, for each
+layer's copy list, before their tail). Row-table updates reach the device
 with ``flush`` (on the current stream; every path above flushes). A block whose read fails stays
 not resident (copies skip it) and is reported by ``take_failed``: the backend ends the sequences
 whose tables name it, with the reason, and the others go on.
@@ -47,11 +49,12 @@ logger = logging.getLogger(__name__)
 
 
 class RemoteTier(Protocol):
-    def read(self, source: Hashable, remote_blocks: list[int], rows: list[int]) -> None:
-        """Copy whole blocks ``remote_blocks`` of ``source`` into rows ``rows`` of the store;
-        blocks until done, raises (past a deadline too) when it fails: an exception whose
-        ``unsettled`` attribute is true says the rows may still be written (they are never used
-        again)."""
+    def read(self, source: Hashable, remote_blocks: list[int], rows: list[int],
+             layers: list[int]) -> None:
+        """Copy blocks ``remote_blocks`` of ``source`` into rows ``rows`` of the store, each at
+        layer ``layers[i]`` only (-1: the whole block); blocks until done, raises (past a deadline
+        too) when it fails: an exception whose ``unsettled`` attribute is true says the rows may
+        still be written (they are never used again)."""
 
 
 class NoHostRows(RuntimeError):
@@ -67,10 +70,14 @@ class Location:
 
 @dataclass
 class CacheStats:
-    """Counts since start: reads that found a block resident / had to read it from the remote tier
-    (``misses``, blocks; ``remote_reads``, transfers), rows taken back, rows in use."""
+    """Counts since start, of located blocks wanted resident: with every layer wanted already
+    in their rows (``hits``), or not (``misses``: read from the remote tier, in ``units``, a whole
+    block or one layer of one, ``bytes`` in all, over ``remote_reads`` transfers); and rows taken
+    back."""
     hits: int = 0
     misses: int = 0
+    units: int = 0
+    bytes: int = 0
     remote_reads: int = 0
     evictions: int = 0
 
@@ -83,16 +90,24 @@ class HostCache(HostStore):
         self.f_host = f_host
         self.rows = torch.full((self.num_blocks,), -1, dtype=torch.long, device=device)
         self._row_of = np.full(self.num_blocks, -1, dtype=np.int64)
+        self._block_at = [-1] * self.num_physical  # row -> the block in it
+        #: per block, a mask of the layers whose bytes its row holds (a block read again may hold
+        #: only the layers a selection wanted); a new block's are all written here
+        self._layers = layout.num_layers
+        self._full = (1 << layout.num_layers) - 1
+        self._valid = [0] * self.num_blocks
         self._free_rows = list(range(self.num_physical))  # (the last row is handed out first)
         self._dirty: dict[int, int] = {}  # id -> row, not yet on the device
         #: resident blocks that may give their row back, least recently used first
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._stamp = np.zeros(self.num_blocks, dtype=np.int64)  # last use (``touch``)
         self._clock = 0
+        self._quiet = False  # the device has finished every copy since this call began
         self._in_use: set[int] = set()  # referenced by a block table or held
         self.where: dict[int, Location] = {}
         self._located = np.zeros(self.num_blocks, dtype=bool)  # (``where``'s keys, as a mask)
         self._lease_refs: defaultdict[Hashable, int] = defaultdict(int)
+        self._lost: set[Hashable] = set()  # leases whose blocks may be gone remotely
         self.reader: RemoteTier | None = None
         #: blocks whose read failed (since ``take_failed``), with why
         self.failed: dict[int, str] = {}
@@ -104,9 +119,9 @@ class HostCache(HostStore):
                     self.num_physical, f_host)
 
     # ---- what a step reads and writes --------------------------------------------------------
-    def physical_blocks(self, ids: torch.Tensor) -> torch.Tensor:
+    def physical_blocks(self, ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         if not self._capturing():
-            self.make_resident(ids[ids >= 0].unique().tolist(), partial=True)
+            self.make_resident(ids[ids >= 0].unique().tolist(), layer, partial=True)
         return torch.where(ids >= 0, self.rows[ids.clamp(min=0)], ids)
 
     def physical_slots(self, slots: torch.Tensor) -> torch.Tensor:
@@ -132,21 +147,42 @@ class HostCache(HostStore):
     def rows_in_use(self) -> int:
         return self.num_physical - len(self._free_rows)
 
-    def make_resident(self, blocks: Iterable[int], partial: bool = False) -> None:
-        """Give every block in ``blocks`` a row, reading the located ones from their remote tier
-        (one read per source, after the device has finished every copy out of the store: a row
-        may have held another block); flushes. A read that fails leaves its blocks not resident
-        (rows -1: copies skip them) and in ``failed`` until ``take_failed``. When no row can be
-        taken back: ``NoHostRows`` (nothing changed), or with ``partial`` the blocks left without
-        a row are failed the same way (one step wanting more blocks at once than there are rows
-        ends the sequences that wanted those, not the step)."""
-        blocks = list(dict.fromkeys(blocks))
-        missing = [b for b in blocks if self._row_of[b] < 0]
+    def make_resident(self, blocks: Iterable[int], layer: int | None = None,
+                      partial: bool = False) -> None:
+        """Make ``blocks`` resident with their bytes at ``layer`` (None: every layer) in their
+        rows; see ``make_resident_layers``."""
+        mask = self._full if layer is None else 1 << layer
+        self._ensure(dict.fromkeys(blocks, mask), partial)
+
+    def make_resident_layers(self, per_layer: list[list[int]], partial: bool = False) -> None:
+        """Make the blocks ``per_layer[l]`` resident with their bytes at layer ``l`` in their rows,
+        for every layer ``l`` at once: a block gets a row (a free one, else the least recently
+        used evictable block's), and a located block's missing (block, layer) units are read from
+        its remote tier, one transfer per source, after the device has finished every copy out of
+        the store (a row may have held another block); flushes. A read that fails evicts its
+        blocks (rows -1: copies skip them) and reports them in ``failed`` until ``take_failed``.
+        When no row can be taken back: ``NoHostRows`` (nothing changed), or with ``partial`` the
+        blocks left without a row are failed the same way (one step wanting more blocks at once
+        than there are rows ends the sequences that wanted those, not the step)."""
+        want: dict[int, int] = {}
+        for layer, blocks in enumerate(per_layer):
+            for b in blocks:
+                want[b] = want.get(b, 0) | 1 << layer
+        self._ensure(want, partial)
+
+    def _ensure(self, want: dict[int, int], partial: bool) -> None:
+        """``make_resident_layers`` for ``want``: block -> mask of the layers wanted."""
+        blocks = list(want)
         self.touch(blocks)
-        self.stats.hits += sum(1 for b in blocks if b in self.where and self._row_of[b] >= 0)
+        missing = [b for b in blocks if self._row_of[b] < 0]
+        self._quiet = False
         if missing:
-            keep = set(blocks)
-            taken = []
+            keep, taken = set(blocks), []
+            spare = len(self._free_rows) + len(self._evictable) - sum(
+                1 for b in blocks if b in self._evictable)
+            if len(missing) > spare and not partial:
+                raise NoHostRows(f"{len(missing)} blocks need rows, {spare} can be had: raise "
+                                 "--host-kv-gib or --f-host")
             try:
                 for b in missing:
                     taken.append(self._take_row(keep))
@@ -159,43 +195,62 @@ class HostCache(HostStore):
                        "raise --host-kv-gib or --f-host")
                 logger.error("%s", why)
                 self.failed.update(dict.fromkeys(missing[len(taken):], why))
-                missing = missing[:len(taken)]
-            reads: defaultdict[Hashable, list[tuple[int, int]]] = defaultdict(list)
+                for b in missing[len(taken):]:
+                    del want[b]
             for b, row in zip(missing, taken):
-                loc = self.where.get(b)
-                if loc is not None:
-                    reads[loc.source].append((loc.block, row))
-            if reads and self.rows.is_cuda:
-                torch.cuda.synchronize()
-            unread: set[int] = set()
-            for source, pairs in reads.items():
-                self.stats.remote_reads += 1
-                self.stats.misses += len(pairs)
-                try:
-                    if self.reader is None:
-                        raise RuntimeError("no remote tier to read located blocks from")
-                    self.reader.read(source, [p[0] for p in pairs], [p[1] for p in pairs])
-                except Exception as exc:  # noqa: BLE001 (the tier's errors: the blocks are lost)
-                    why = (f"reading {len(pairs)} KV blocks from {source} failed: "
-                           f"{type(exc).__name__}: {exc}")
-                    logger.error("%s", why)
-                    failed = {b for b, row in zip(missing, taken) if row in
-                              {p[1] for p in pairs}}
-                    self.failed.update(dict.fromkeys(failed, why))
-                    unread |= failed
-                    if getattr(exc, "unsettled", False):  # never to be used again
-                        logger.error("%d host rows may still be written by that read: retired",
-                                     len(pairs))
-                        self.num_physical -= len(pairs)
-                        self._retired.update(p[1] for p in pairs)
-            for b, row in zip(missing, taken):
-                if b in unread:
-                    if row not in self._retired:
-                        self._free_rows.append(row)
-                    continue
                 self._set_row(b, row)
+                self._valid[b] = 0 if b in self.where else self._full  # (new: written here)
                 if b in self.where or b not in self._in_use:
                     self._evictable[b] = None
+        # per source, the (remote block, row, layer) units to read (layer -1: the whole block)
+        reads: defaultdict[Hashable, list[tuple[int, int, int]]] = defaultdict(list)
+        for b, mask in want.items():
+            lacking = mask & ~self._valid[b]
+            loc = self.where.get(b)
+            if loc is None:
+                continue
+            if not lacking:
+                self.stats.hits += 1
+                continue
+            self.stats.misses += 1
+            if loc.lease in self._lost:
+                self.failed[b] = f"the lease on {loc.source} that kept this block's KV is gone"
+                self._evict(b)
+                continue
+            row = int(self._row_of[b])
+            if lacking == self._full:
+                reads[loc.source].append((loc.block, row, -1))
+            else:
+                reads[loc.source] += [(loc.block, row, layer) for layer in range(self._layers)
+                                      if lacking >> layer & 1]
+        if reads and self.rows.is_cuda:
+            torch.cuda.synchronize()
+        for source, units in reads.items():
+            self.stats.remote_reads += 1
+            self.stats.units += len(units)
+            block = self.layout.host_block_bytes
+            self.stats.bytes += sum(block if layer < 0 else block // self._layers
+                                    for _, _, layer in units)
+            try:
+                if self.reader is None:
+                    raise RuntimeError("no remote tier to read located blocks from")
+                self.reader.read(source, *(list(x) for x in zip(*units)))
+            except Exception as exc:  # noqa: BLE001 (the tier's errors: the blocks are lost here)
+                lost = list(dict.fromkeys(self._block_at[row] for _, row, _ in units))
+                why = (f"reading {len(lost)} KV blocks from {source} failed: "
+                       f"{type(exc).__name__}: {exc}")
+                logger.error("%s", why)
+                self.failed.update(dict.fromkeys(lost, why))
+                unsettled = getattr(exc, "unsettled", False)
+                for b in lost:
+                    self._evict(b, retire=unsettled)
+                if unsettled:
+                    logger.error("%d host rows may still be written by that read: retired",
+                                 len(lost))
+                continue
+            for _, row, layer in units:
+                b = self._block_at[row]
+                self._valid[b] |= self._full if layer < 0 else 1 << layer
         self.flush()
 
     def take_failed(self) -> dict[int, str]:
@@ -220,6 +275,11 @@ class HostCache(HostStore):
                 self._evictable.move_to_end(b)
 
     def _set_row(self, block: int, row: int) -> None:
+        if row >= 0:
+            self._block_at[row] = block
+        else:
+            self._block_at[self._row_of[block]] = -1
+            self._valid[block] = 0
         self._row_of[block] = row
         self._dirty[block] = row
 
@@ -229,17 +289,27 @@ class HostCache(HostStore):
             return self._free_rows.pop()
         for b in self._evictable:
             if b not in keep:
-                row = int(self._row_of[b])
+                if self.rows.is_cuda and not self._quiet:
+                    # a copy launched earlier (the last step's tail) may still read this row, or
+                    # the row table's entry that names it
+                    torch.cuda.synchronize()
+                    self._quiet = True
                 self._evict(b)
-                self._free_rows.remove(row)
-                return row
+                return self._free_rows.pop()  # (its row)
         raise NoHostRows(f"every one of the {self.num_physical} host rows is in use by blocks "
                          "that cannot be read again: raise --host-kv-gib or --f-host")
 
-    def _evict(self, block: int) -> None:
-        del self._evictable[block]
-        self._free_rows.append(int(self._row_of[block]))
+    def _evict(self, block: int, retire: bool = False) -> None:
+        """Take ``block``'s row back (``retire``: never to be used again, a failed read may still
+        write it); a block no remote tier has is forgotten (``on_forget``)."""
+        self._evictable.pop(block, None)
+        row = int(self._row_of[block])
         self._set_row(block, -1)
+        if retire:
+            self._retired.add(row)
+            self.num_physical -= 1
+        else:
+            self._free_rows.append(row)
         self.stats.evictions += 1
         if block not in self.where:  # a cached prefix block: its contents are gone
             self.on_forget(block)
@@ -259,6 +329,8 @@ class HostCache(HostStore):
             for b in blocks:
                 self._evictable.pop(b, None)
             self.make_resident(blocks)
+            for b in blocks:  # (written here from now on)
+                self._valid[b] = self._full
             return
         for b in blocks:
             self._in_use.add(b)
@@ -271,9 +343,11 @@ class HostCache(HostStore):
         for b in blocks:
             self._in_use.discard(b)
             self._unlocate(b)
-            if self._row_of[b] >= 0:
+            if self._row_of[b] >= 0 and self._valid[b] == self._full:
                 self._evictable[b] = None
                 self._evictable.move_to_end(b, last=False)  # (the least recently used now)
+            elif self._row_of[b] >= 0:  # only some layers read back: no use to anyone now
+                self._evict(b)
             else:
                 self.on_forget(b)
 
@@ -286,8 +360,18 @@ class HostCache(HostStore):
             self.where[b] = Location(source, r, lease)
             self._located[b] = True
             self._lease_refs[lease] += 1
-            if self._row_of[b] >= 0:
+            if self._row_of[b] >= 0:  # (just imported: the most recently used)
                 self._evictable[b] = None
+                self._evictable.move_to_end(b)
+
+    def lease_lost(self, lease: Hashable) -> None:
+        """The remote copies ``lease`` kept may be gone (it expired, or its worker restarted):
+        its resident whole blocks stay as they are, without a location; any other of its blocks
+        fails when it is next read (its sequences end), and goes when its last reference does."""
+        self._lost.add(lease)
+        for b in [b for b, loc in self.where.items() if loc.lease == lease]:
+            if self._row_of[b] >= 0 and self._valid[b] == self._full:
+                self._unlocate(b)
 
     def _unlocate(self, block: int) -> None:
         loc = self.where.pop(block, None)
@@ -299,6 +383,7 @@ class HostCache(HostStore):
         self._lease_refs[loc.lease] -= 1
         if not self._lease_refs[loc.lease]:
             del self._lease_refs[loc.lease]
+            self._lost.discard(loc.lease)
             self.on_lease_idle(loc.lease)
 
     # ---- the periodic LRU pass ---------------------------------------------------------------
@@ -337,6 +422,13 @@ class HostCache(HostStore):
         assert len(owners) + len(self._free_rows) == self.num_physical
         evictable = {b for b in owners.values() if b in self.where or b not in self._in_use}
         assert evictable == set(self._evictable)
+        assert all(self._block_at[row] == b for row, b in owners.items())
+        assert all(self._block_at[row] == -1 for row in self._free_rows)
+        for b in range(self.num_blocks):  # only a located block's row may lack layers
+            if self._row_of[b] < 0:
+                assert self._valid[b] == 0, b
+            else:
+                assert b in self.where or self._valid[b] == self._full, b
         assert sum(self._lease_refs.values()) == len(self.where)
         self.flush()
         assert self.rows.tolist() == self._row_of.tolist()

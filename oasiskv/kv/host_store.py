@@ -45,8 +45,9 @@ class HostStore:
                     sum(t.numel() * t.element_size() for t in tensors) / 2**30,
                     str(layout.storage_dtype).removeprefix("torch."), " pinned" if pin else "")
 
-    def physical_blocks(self, ids: torch.Tensor) -> torch.Tensor:
-        """Host block ids (negative = none) -> rows of ``k``/``v``."""
+    def physical_blocks(self, ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Host block ids (negative = none) -> rows of ``k``/``v``, whose bytes at ``layer``
+        (None: every layer) the caller reads."""
         return ids
 
     def rows_of(self, ids: list[int]) -> list[int]:

@@ -217,10 +217,11 @@ class RemoteReader:
         self.agent.remove_remote_agent(peer)
         del self.peers[peer]
 
-    def read(self, peer: str, src_blocks, dst_blocks, layer: int | None = None) -> Transfer:
+    def read(self, peer: str, src_blocks, dst_blocks, layer=None) -> Transfer:
         """Start copying blocks ``src_blocks`` of ``peer`` into rows ``dst_blocks`` of the local
-        store (``HostStore.rows_of`` of its block ids; equal-length sequences), at ``layer`` only
-        or whole (``layer=None``), as one transfer."""
+        store (``HostStore.rows_of`` of its block ids; equal-length sequences), as one transfer:
+        whole (``layer=None``), at one ``layer``, or at a layer per unit (a sequence; -1: that
+        unit's whole block)."""
         info = self.peers[peer]
         if min(src_blocks, default=0) < 0 or min(dst_blocks, default=0) < 0:
             raise ValueError("negative block id")
@@ -230,17 +231,21 @@ class RemoteReader:
             raise ValueError("src_blocks and dst_blocks must be equal-length, non-empty lists")
         if int(src.max()) >= info.num_blocks or int(dst.max()) >= self.local.k.shape[0]:
             raise ValueError("block id past the end of a store")
-        whole = layer is None
+        layers = np.broadcast_to(np.asarray(-1 if layer is None else layer, dtype=np.int64),
+                                 src.shape)
+        if int(layers.max()) >= self.local.k.shape[1]:
+            raise ValueError("layer past the last")
+        whole = layers < 0
         local, remote, nbytes = [], [], 0
         for t, base in zip(_regions(self.local), info.addrs):
-            unit = _unit_bytes(t, whole)
-            nbytes += unit * src.size
-            block = _unit_bytes(t, True)
-            offset = 0 if whole else layer * unit
+            block, per_layer = _unit_bytes(t, True), _unit_bytes(t, False)
+            size = np.where(whole, block, per_layer).astype(np.uint64)
+            offset = np.where(whole, 0, layers * per_layer).astype(np.uint64)
+            nbytes += int(size.sum())
             for blocks, start, out in ((src, base, remote), (dst, t.data_ptr(), local)):
                 rows = np.empty((blocks.size, 3), dtype=np.uint64)
                 rows[:, 0] = start + blocks * block + offset
-                rows[:, 1], rows[:, 2] = unit, 0
+                rows[:, 1], rows[:, 2] = size, 0
                 out.append(rows)
         handle = None
         try:

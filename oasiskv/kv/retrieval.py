@@ -135,8 +135,9 @@ class LookaheadRetrieval(Retrieval):
         those it evicted from the remote tier) before the tail copies them: the tail maps ids to
         rows when it runs."""
         self.pipeline.wait_selections()
-        ids = torch.cat([items[0, :self._due_items] for items in self._copy_lists]).unique()
-        self.kv.host.make_resident(ids[ids >= 0].tolist(), partial=True)
+        wanted = torch.stack([items[0, :self._due_items] for items in self._copy_lists]).tolist()
+        self.kv.host.make_resident_layers([[b for b in set(ids) if b >= 0] for ids in wanted],
+                                          partial=True)
 
     def begin_capture(self) -> None:
         self.pipeline.join()

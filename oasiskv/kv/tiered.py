@@ -188,7 +188,7 @@ class TieredKV:
         k, v, scales = empty_kv((n * heads, B, D), lay.storage_dtype, self.device)
         head = torch.arange(heads, device=self.device).repeat(n)
         self._gather(self.host.k, self.host.v, layer, k, v,
-                     self.host.physical_blocks(blocks.repeat_interleave(heads)), head,
+                     self.host.physical_blocks(blocks.repeat_interleave(heads), layer), head,
                      torch.arange(n * heads, device=self.device),
                      scales=None if scales is None else (*self.host.scales, *scales))
         if scales is not None:
@@ -209,7 +209,8 @@ class TieredKV:
         heads = self.layout.num_kv_heads
         blocks = host_blocks.long().repeat_interleave(heads)
         head = torch.arange(heads, device=blocks.device).repeat(host_blocks.numel())
-        self.summaries.update(layer, self.host.layer(layer)[0], self.host.physical_blocks(blocks),
+        self.summaries.update(layer, self.host.layer(layer)[0],
+                              self.host.physical_blocks(blocks, layer),
                               head, blocks, head, _k_scale(self.host.layer_scales(layer)))
 
     def _seed(self, layer: int, q_last: torch.Tensor, table: torch.Tensor, length: int,

@@ -106,8 +106,8 @@ class WorkingSet:
         scales = None if ws_scales is None else (*host.scales, *ws_scales)
         programs, in_flight = _GATHER_GRID[scales is not None]
         self._gather(host.k, host.v, layer, self.k[layer], self.v[layer],
-                     host.physical_blocks(items[0]), items[1], items[2], num_programs=programs,
-                     items_per_iter=in_flight, scales=scales)
+                     host.physical_blocks(items[0], layer), items[1], items[2],
+                     num_programs=programs, items_per_iter=in_flight, scales=scales)
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor,
                       block: torch.Tensor, now: torch.Tensor) -> None:

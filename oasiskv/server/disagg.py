@@ -65,9 +65,13 @@ each imported block's location (the worker URL, its block id there, the lease) a
 instead of releasing it (renewed with ``POST /v1/kv/renew`` every ``RENEW_S`` seconds). Every
 ``LRU_PERIOD`` decode steps an LRU pass brings each running request down to ``F * P + F_gen``
 resident blocks (prompt blocks only, never one a working set holds); a block a selection wants
-that is not resident is read again (one NIXL transfer per worker, on the engine thread, before
-the step's copies into HBM). A lease is released once no block names it (its requests ended). A
-failed read ends the requests whose blocks it was reading, with an error; the others go on.
+that is not resident is read again, only at the layers selections want it (one NIXL transfer
+per worker, on the engine thread, before the step's copies into HBM). A lease is released once no
+block names it (its requests ended). A failed read ends the requests whose blocks it was
+reading, with an error; the others go on. A lease a worker no longer knows (a refused renewal,
+renewals failing for ``LEASE_S``, or the worker restarted: its NIXL agent changed) is *lost*:
+the blocks it kept are not read from there again, and requests that need one of them end with an
+error.
 Every wait has a deadline: an HTTP connection or control message and a NIXL read
 ``--remote-timeout``, a prefill answer ``--prefill-timeout``; a prompt waiting for its KV never
 holds up the engine, which keeps stepping the others. Requests already admitted never depend on a
@@ -113,8 +117,10 @@ logger = logging.getLogger(__name__)
 
 #: seconds between two /health probes of a prefill worker marked down
 PROBE_S = 2.0
-#: seconds between two renewals of a lease the decode-host cache keeps (leases last 60 s)
+#: seconds between two renewals of a lease the decode-host cache keeps, and how long renewals may
+#: fail before the lease counts as lost (a worker's leases last 60 s unrenewed)
 RENEW_S = 10.0
+LEASE_S = 60.0
 _POLL_S = 0.0005  # between two polls of a NIXL transfer in flight
 
 
@@ -576,8 +582,8 @@ class _Worker:
 
 
 class _CacheReader:
-    """The decode-host cache's remote tier (``kv.host_cache.RemoteTier``): whole blocks read
-    on the engine thread, in one transfer per worker (``source``: its URL) waited for until the
+    """The decode-host cache's remote tier (``kv.host_cache.RemoteTier``): (block, layer) units
+    read on the engine thread, in one transfer per worker (``source``: its URL) waited for until the
     deadline, with a NIXL agent of its own (the admission reader belongs to the event loop's
     thread); each read counted per worker on /metrics. A worker whose read failed is not tried
     again for ``PROBE_S`` seconds (its reads fail at once: a dead worker must not cost every step
@@ -587,7 +593,7 @@ class _CacheReader:
                  registry: CollectorRegistry):
         self.reader = RemoteReader(host, _agent_name("decode-cache"), timeout_s)
         self.descriptor_of, self.block_bytes = descriptor_of, host.layout.host_block_bytes
-        self.peers: dict[str, str] = {}  # worker URL -> NIXL peer
+        self.layers = host.layout.num_layers
         self._failed_at: dict[str, float] = {}  # worker URL -> its last failed read
         by_worker = ["worker"]
         self._reads = Counter("oasiskv_pd_cache_reads", "NIXL transfers of the decode-host "
@@ -603,29 +609,33 @@ class _CacheReader:
                                                       0.025, 0.05, 0.1, 0.25, 1.0),
                                   registry=registry)
 
-    def read(self, source: str, remote_blocks: list[int], rows: list[int]) -> None:
+    def read(self, source: tuple[str, str], remote_blocks: list[int], rows: list[int],
+             layers: list[int]) -> None:
+        """``source``: (the worker's URL, its NIXL agent when the blocks were imported: a worker
+        that restarted since has none of them)."""
+        url, agent = source
         start, transfer = time.monotonic(), None
-        self._reads.labels(source).inc()
-        failures = self._failures.labels(source)  # (the series shows from the first read on)
+        self._reads.labels(url).inc()
+        failures = self._failures.labels(url)  # (the series shows from the first read on)
         try:
-            since = start - self._failed_at.get(source, -PROBE_S)
+            since = start - self._failed_at.get(url, -PROBE_S)
             if since < PROBE_S:
-                raise RemoteReadError(f"a read from {source} failed {since:.1f} s ago")
-            peer = self.peers.get(source)
-            if peer is None:
-                descriptor = self.descriptor_of(source)
-                if descriptor is None:
-                    raise RemoteReadError(f"no KV store descriptor of {source}")
-                peer = self.peers[source] = self.reader.connect(descriptor)
-            transfer = self.reader.read(peer, remote_blocks, rows)
+                raise RemoteReadError(f"a read from {url} failed {since:.1f} s ago")
+            if agent not in self.reader.peers:
+                descriptor = self.descriptor_of(url)
+                if descriptor is None or self.reader.connect(descriptor) != agent:
+                    raise RemoteReadError(f"{url} restarted: the KV it held is gone")
+            transfer = self.reader.read(agent, remote_blocks, rows, layers)
             transfer.wait()
         except BaseException as exc:
             failures.inc()
-            self._failed_at[source] = time.monotonic()
+            self._failed_at[url] = time.monotonic()
             exc.unsettled = transfer is not None and not transfer.settled
             raise
-        self._latency.labels(source).observe(time.monotonic() - start)
-        self._bytes.labels(source).inc(len(rows) * self.block_bytes)
+        self._latency.labels(url).observe(time.monotonic() - start)
+        per_layer = self.block_bytes // self.layers
+        self._bytes.labels(url).inc(sum(self.block_bytes if layer < 0 else per_layer
+                                           for layer in layers))
 
     def close(self) -> None:
         self.reader.close()
@@ -672,7 +682,8 @@ class DecodeRouter:
         #: the decode-host cache (``--f-host`` < 1): it reads evicted blocks again from the
         #: worker that holds them, under the lease kept (and renewed) while any block names it
         self.cache = host if isinstance(host, HostCache) else None
-        self._held: dict[tuple[str, str], float] = {}  # (worker URL, lease) -> next renewal
+        #: (worker URL, lease) -> (when to renew it next, when it was last renewed)
+        self._held: dict[tuple[str, str], tuple[float, float]] = {}
         if self.cache is not None:
             self.cache.reader = _CacheReader(self.cache, self._descriptor_of, timeout_s, registry)
             registry.register(_CacheCollector(self.cache))
@@ -750,21 +761,36 @@ class DecodeRouter:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            for key, due in list(self._held.items()):
-                if due > now:
-                    continue
-                url, lease = key
-                try:
-                    resp = await self._client.post(url + "/v1/kv/renew", json={"lease": lease})
-                    resp.raise_for_status()
-                    renewed = resp.json()["renewed"]
-                except (httpx.HTTPError, ValueError, KeyError) as exc:
-                    logger.warning("renewing a lease on %s failed: %s", url, exc)
-                    continue
-                if not renewed or key not in self._held:  # expired there, or let go meanwhile
-                    self._held.pop(key, None)
-                else:
-                    self._held[key] = now + RENEW_S
+            due = [key for key, (at, _) in self._held.items() if at <= now]
+            await asyncio.gather(*(self._renew(key) for key in due))
+
+    async def _renew(self, key: tuple[str, str]) -> None:
+        """Renew lease ``key``; one the worker no longer has, or that could not be renewed for
+        ``LEASE_S``, is lost to the cache."""
+        url, lease = key
+        _, renewed_at = self._held[key]
+        try:
+            resp = await self._client.post(url + "/v1/kv/renew", json={"lease": lease})
+            resp.raise_for_status()
+            renewed = bool(resp.json()["renewed"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("renewing a lease on %s failed: %s", url, exc)
+            renewed = None
+        now = time.monotonic()
+        if key not in self._held:  # let go meanwhile
+            return
+        if renewed:
+            self._held[key] = (now + RENEW_S, now)
+        elif renewed is None and now - renewed_at < LEASE_S:
+            self._held[key] = (now + 1.0, renewed_at)  # (tried again in a second)
+        else:
+            logger.error("lease %s on %s is lost: the decode-host cache reads nothing more under "
+                         "it", lease, url)
+            self._held.pop(key)
+            try:
+                await self.bridge.call(lambda: self.cache.lease_lost(key))
+            except APIError:  # shutting down
+                pass
 
     async def admit(self, prompts: list[list[int]]) -> None:
         """Bring in each prompt's complete prefix KV. Raises ``APIError``: 503 when this server
@@ -850,7 +876,8 @@ class DecodeRouter:
 
         def locate(imp: Import) -> None:  # (engine thread) the cache reads them again from there
             nonlocal located
-            self.cache.locate(imp.blocks, offered[:len(imp.blocks)], holder, (holder, lease))
+            self.cache.locate(imp.blocks, offered[:len(imp.blocks)], (holder, peer),
+                              (holder, lease))
             located = True
         try:
             if holder != worker.url:
@@ -882,7 +909,7 @@ class DecodeRouter:
             self._reused.labels(holder).inc(len(imp.blocks) - len(imp.missing))
         finally:
             if located:  # kept while the cache's blocks name it (``_let_go``)
-                self._held[(holder, lease)] = time.monotonic() + RENEW_S
+                self._held[(holder, lease)] = (time.monotonic() + RENEW_S, time.monotonic())
             else:
                 self._tasks.spawn(_release(self._client, holder, lease))
 

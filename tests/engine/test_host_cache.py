@@ -38,7 +38,8 @@ def test_a_bounded_decode_host_decodes_the_tokens_of_one_that_keeps_everything(t
     assert isinstance(host, HostCache) and host.num_blocks == 4 * host.num_physical
     # prompt blocks were evicted by the LRU pass and read again when selected
     assert host.stats.evictions > 0 and host.stats.misses > 0
-    assert host.reader.blocks == host.stats.misses
+    # read again a layer at a time, as the selections want them
+    assert host.reader.units == host.stats.units and host.reader.layer_units > 0
     # the requests ended: every lease is idle, nothing is located, rows and ids agree
     assert sorted(idle) == [0, 1, 2] and not host.where
     host.check_invariants()
@@ -74,19 +75,21 @@ def test_the_lru_pass_keeps_the_budget_and_spares_working_sets(tiny):
 
 
 def test_random_use_keeps_the_cache_consistent():
-    """Random takes, shares, frees, locations, reads and LRU passes against a 12-row cache of 48
-    ids: rows and ids stay one to one, every resident block's row holds its contents, and a block
-    nobody can read again (unlocated, in use) is never evicted."""
+    """Random takes, shares, frees, locations, reads (whole blocks or one of two layers) and LRU
+    passes against a 12-row cache of 48 ids: rows and ids stay one to one, every layer a caller
+    asked for holds its block's contents, and a block nobody can read again (unlocated, in use) is
+    never evicted."""
     rng = random.Random(0)
-    layout = TieredLayout(1, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
+    layout = TieredLayout(2, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
     host = HostCache(layout, 48, False, 12, torch.device("cpu"), 0.5)
     alloc = TieredAllocator(48, 4, 16, host=host)
     remote = torch.arange(1000, 1048, dtype=torch.float32)  # block b's contents there: 1000 + b
 
     class Tier:
-        def read(self, source, remote_blocks, rows):
+        def read(self, source, remote_blocks, rows, layers):
             assert source == "peer"
-            host.k[torch.tensor(rows)] = remote[torch.tensor(remote_blocks)].view(-1, 1, 1, 1, 1)
+            for b, row, layer in zip(remote_blocks, rows, layers):
+                host.k[row, max(layer, 0):None if layer < 0 else layer + 1] = remote[b]
 
     host.reader = Tier()
     content = {}  # resident block -> what its row must hold
@@ -108,10 +111,11 @@ def test_random_use_keeps_the_cache_consistent():
             elif op < 0.5 and tables:
                 alloc.release(tables.pop(rng.randrange(len(tables))))
             elif op < 0.8 and tables:
-                table = rng.choice(tables)
-                host.make_resident(table)
+                table, layer = rng.choice(tables), rng.choice([None, 0, 1])
+                host.make_resident(table, layer)
                 for b in table:
-                    assert float(host.k[host._row_of[b]].flatten()[0]) == content[b], b
+                    got = host.k[host._row_of[b], layer or 0:None if layer is None else layer + 1]
+                    assert (got == content[b]).all(), b
             elif tables:
                 host.enforce_budgets([(t, len(t)) for t in tables], set())
         except (RuntimeError, NoHostRows):
@@ -135,7 +139,7 @@ def test_more_blocks_at_once_than_rows_fail_those_blocks_not_the_caller():
     host.locate(blocks, blocks, "peer", "lease")
 
     class Tier:
-        def read(self, source, remote_blocks, rows):
+        def read(self, source, remote_blocks, rows, layers):
             pass
 
     host.reader = Tier()
@@ -152,4 +156,37 @@ def test_more_blocks_at_once_than_rows_fail_those_blocks_not_the_caller():
     failed = host.take_failed()
     assert sorted(failed) == sorted(set(blocks) - set(resident))
     assert "rows" in next(iter(failed.values()))
+    host.check_invariants()
+
+
+def test_a_refusal_changes_nothing_and_a_lost_lease_is_not_read_again():
+    layout = TieredLayout(2, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
+    host = HostCache(layout, 32, False, 6, torch.device("cpu"), 0.5)
+    alloc = TieredAllocator(32, 2, 16, host=host)
+    reads = []
+
+    class Tier:
+        def read(self, source, remote_blocks, rows, layers):
+            reads.append((source, list(remote_blocks), list(layers)))
+
+    host.reader = Tier()
+    kept, lost = alloc.hold_new(2), alloc.hold_new(2)
+    host.locate(kept, [0, 1], "a", "kept")
+    host.locate(lost, [2, 3], "b", "lost")
+    host.enforce_budgets([(kept + lost, 4)], set())  # 2 of the 4 located blocks evicted
+    before = host.rows_in_use, dict(host.where), host.stats.evictions
+    with pytest.raises(RuntimeError):  # 7 rows wanted, 4 free + 2 evictable: refused first
+        alloc.hold_new(7)
+    assert (host.rows_in_use, dict(host.where), host.stats.evictions) == before
+    host.lease_lost("lost")
+    # its resident whole blocks stay, without a location; the others fail when read
+    assert all(b not in host.where for b in lost if host.resident(b))
+    host.make_resident(kept + lost, layer=1, partial=True)
+    failed = host.take_failed()
+    assert set(failed) == {b for b in lost if b in host.where}
+    assert all("lease" in why for why in failed.values())
+    assert all(source == "a" for source, _, _ in reads) and all(r[2] == [1] * len(r[1])
+                                                                for r in reads)
+    alloc.release(kept + lost)
+    assert not host.where and not host._lost
     host.check_invariants()

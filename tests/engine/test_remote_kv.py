@@ -92,12 +92,21 @@ def test_reads_give_exactly_the_remote_bytes(peer):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="past the end"):
         reader.read(name, [40], [0])
+    # a layer per unit, whole blocks (-1) among them, in one transfer
+    src, dst, layers = [5, 6, 30, 31], [8, 9, 10, 1], [2, -1, 0, 2]
+    reader.read(name, src, dst, layers).wait()
+    for s, d, layer in zip(src, dst, layers):
+        for got, want in zip(units(local, [d], None if layer < 0 else layer),
+                             units(remote, [s], None if layer < 0 else layer)):
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="layer past"):
+        reader.read(name, [1], [0], [LAYERS])
     # what it counted, against sizes computed by hand: a layer of a block is heads x block x dim
     # values of K and of V (+ one float32 scale per row of each with FP8)
     row = HEADS * BLOCK * (DIM * (1 if fp8 else 2) + (4 if fp8 else 0))
     s = reader.stats
-    assert (s.transfers, s.units, s.failed) == (2, 7, 0)
-    assert s.bytes == 2 * row * (5 + 2 * LAYERS) and len(s.latencies) == 2
+    assert (s.transfers, s.units, s.failed) == (3, 11, 0)
+    assert s.bytes == 2 * row * (5 + 2 * LAYERS + 3 + LAYERS) and len(s.latencies) == 3
     assert all(0 <= t < 30 for t in s.latencies)
     reader.close()
 
