@@ -72,8 +72,8 @@ class Location:
 class CacheStats:
     """Counts since start, of located blocks wanted resident: with every layer wanted already
     in their rows (``hits``), or not (``misses``: read from the remote tier, in ``units``, a whole
-    block or one layer of one, ``bytes`` in all, over ``remote_reads`` transfers); and rows taken
-    back."""
+    block or one layer of one, ``bytes`` in all; reads that failed not counted), over
+    ``remote_reads`` transfers (failed ones too); and rows taken back."""
     hits: int = 0
     misses: int = 0
     units: int = 0
@@ -172,6 +172,13 @@ class HostCache(HostStore):
 
     def _ensure(self, want: dict[int, int], partial: bool) -> None:
         """``make_resident_layers`` for ``want``: block -> mask of the layers wanted."""
+        for b in [b for b in want if b in self.where and self.where[b].lease in self._lost
+                  and want[b] & ~self._valid[b]]:  # (their bytes are gone: no row, no read)
+            self.failed[b] = (f"the lease on {self.where[b].source} that kept this block's KV "
+                              "is gone")
+            del want[b]
+            if self._row_of[b] >= 0:
+                self._evict(b)
         blocks = list(want)
         self.touch(blocks)
         missing = [b for b in blocks if self._row_of[b] < 0]
@@ -212,11 +219,6 @@ class HostCache(HostStore):
             if not lacking:
                 self.stats.hits += 1
                 continue
-            self.stats.misses += 1
-            if loc.lease in self._lost:
-                self.failed[b] = f"the lease on {loc.source} that kept this block's KV is gone"
-                self._evict(b)
-                continue
             row = int(self._row_of[b])
             if lacking == self._full:
                 reads[loc.source].append((loc.block, row, -1))
@@ -227,10 +229,6 @@ class HostCache(HostStore):
             torch.cuda.synchronize()
         for source, units in reads.items():
             self.stats.remote_reads += 1
-            self.stats.units += len(units)
-            block = self.layout.host_block_bytes
-            self.stats.bytes += sum(block if layer < 0 else block // self._layers
-                                    for _, _, layer in units)
             try:
                 if self.reader is None:
                     raise RuntimeError("no remote tier to read located blocks from")
@@ -248,6 +246,11 @@ class HostCache(HostStore):
                     logger.error("%d host rows may still be written by that read: retired",
                                  len(lost))
                 continue
+            block = self.layout.host_block_bytes
+            self.stats.misses += len({row for _, row, _ in units})
+            self.stats.units += len(units)
+            self.stats.bytes += sum(block if layer < 0 else block // self._layers
+                                    for _, _, layer in units)
             for _, row, layer in units:
                 b = self._block_at[row]
                 self._valid[b] |= self._full if layer < 0 else 1 << layer
@@ -368,10 +371,14 @@ class HostCache(HostStore):
         """The remote copies ``lease`` kept may be gone (it expired, or its worker restarted):
         its resident whole blocks stay as they are, without a location; any other of its blocks
         fails when it is next read (its sequences end), and goes when its last reference does."""
+        if lease not in self._lease_refs:  # (no block names it any more)
+            return
         self._lost.add(lease)
         for b in [b for b, loc in self.where.items() if loc.lease == lease]:
             if self._row_of[b] >= 0 and self._valid[b] == self._full:
                 self._unlocate(b)
+            else:  # no later request may take it from the prefix cache
+                self.on_forget(b)
 
     def _unlocate(self, block: int) -> None:
         loc = self.where.pop(block, None)

@@ -69,7 +69,8 @@ that is not resident is read again, only at the layers selections want it (one N
 per worker, on the engine thread, before the step's copies into HBM). A lease is released once no
 block names it (its requests ended). A failed read ends the requests whose blocks it was
 reading, with an error; the others go on. A lease a worker no longer knows (a refused renewal,
-renewals failing for ``LEASE_S``, or the worker restarted: its NIXL agent changed) is *lost*:
+renewals failing until less than ``--remote-timeout`` of it might be left, or the worker
+restarted: its NIXL agent changed) is *lost*:
 the blocks it kept are not read from there again, and requests that need one of them end with an
 error.
 Every wait has a deadline: an HTTP connection or control message and a NIXL read
@@ -117,10 +118,9 @@ logger = logging.getLogger(__name__)
 
 #: seconds between two /health probes of a prefill worker marked down
 PROBE_S = 2.0
-#: seconds between two renewals of a lease the decode-host cache keeps, and how long renewals may
-#: fail before the lease counts as lost (a worker's leases last 60 s unrenewed)
+#: seconds between two renewals of a lease the decode-host cache keeps (at most a quarter of the
+#: lease's length, which the worker's answer names)
 RENEW_S = 10.0
-LEASE_S = 60.0
 _POLL_S = 0.0005  # between two polls of a NIXL transfer in flight
 
 
@@ -682,8 +682,9 @@ class DecodeRouter:
         #: the decode-host cache (``--f-host`` < 1): it reads evicted blocks again from the
         #: worker that holds them, under the lease kept (and renewed) while any block names it
         self.cache = host if isinstance(host, HostCache) else None
-        #: (worker URL, lease) -> (when to renew it next, when it was last renewed)
-        self._held: dict[tuple[str, str], tuple[float, float]] = {}
+        #: (worker URL, lease) -> (when to renew it next, when it was last renewed, the lease's
+        #: length); "renewed" counts from when the renewal was sent
+        self._held: dict[tuple[str, str], tuple[float, float, float]] = {}
         if self.cache is not None:
             self.cache.reader = _CacheReader(self.cache, self._descriptor_of, timeout_s, registry)
             registry.register(_CacheCollector(self.cache))
@@ -761,14 +762,21 @@ class DecodeRouter:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            due = [key for key, (at, _) in self._held.items() if at <= now]
-            await asyncio.gather(*(self._renew(key) for key in due))
+            due = [key for key, (at, _, _) in self._held.items() if at <= now]
+            for key, result in zip(due, await asyncio.gather(
+                    *(self._renew(key) for key in due), return_exceptions=True)):
+                if isinstance(result, Exception):  # (the loop must go on)
+                    logger.error("renewing lease %s failed: %r", key, result)
 
     async def _renew(self, key: tuple[str, str]) -> None:
-        """Renew lease ``key``; one the worker no longer has, or that could not be renewed for
-        ``LEASE_S``, is lost to the cache."""
+        """Renew lease ``key``; one the worker no longer has, or whose renewals failed until
+        less than a read's deadline of it might be left, is lost to the cache."""
         url, lease = key
-        _, renewed_at = self._held[key]
+        held = self._held.get(key)
+        if held is None:  # let go since it was due
+            return
+        _, renewed_at, length = held
+        sent = time.monotonic()
         try:
             resp = await self._client.post(url + "/v1/kv/renew", json={"lease": lease})
             resp.raise_for_status()
@@ -780,9 +788,9 @@ class DecodeRouter:
         if key not in self._held:  # let go meanwhile
             return
         if renewed:
-            self._held[key] = (now + RENEW_S, now)
-        elif renewed is None and now - renewed_at < LEASE_S:
-            self._held[key] = (now + 1.0, renewed_at)  # (tried again in a second)
+            self._held[key] = (sent + min(RENEW_S, length / 4), sent, length)
+        elif renewed is None and now - renewed_at < length - self.timeout_s:
+            self._held[key] = (now + 1.0, renewed_at, length)  # (tried again in a second)
         else:
             logger.error("lease %s on %s is lost: the decode-host cache reads nothing more under "
                          "it", lease, url)
@@ -909,7 +917,8 @@ class DecodeRouter:
             self._reused.labels(holder).inc(len(imp.blocks) - len(imp.missing))
         finally:
             if located:  # kept while the cache's blocks name it (``_let_go``)
-                self._held[(holder, lease)] = (time.monotonic() + RENEW_S, time.monotonic())
+                length = float(answer.get("lease_s", 60.0))  # (its clock started by now)
+                self._held[(holder, lease)] = (start + min(RENEW_S, length / 4), start, length)
             else:
                 self._tasks.spawn(_release(self._client, holder, lease))
 

@@ -173,17 +173,28 @@ def test_a_refusal_changes_nothing_and_a_lost_lease_is_not_read_again():
     kept, lost = alloc.hold_new(2), alloc.hold_new(2)
     host.locate(kept, [0, 1], "a", "kept")
     host.locate(lost, [2, 3], "b", "lost")
-    host.enforce_budgets([(kept + lost, 4)], set())  # 2 of the 4 located blocks evicted
+    host.touch(kept)
+    host.enforce_budgets([(kept + lost, 4)], set())  # the 2 "lost" blocks evicted (LRU)
     before = host.rows_in_use, dict(host.where), host.stats.evictions
     with pytest.raises(RuntimeError):  # 7 rows wanted, 4 free + 2 evictable: refused first
         alloc.hold_new(7)
     assert (host.rows_in_use, dict(host.where), host.stats.evictions) == before
+    for i, b in enumerate(lost):  # (named in the prefix cache, as imported blocks are)
+        alloc.register(b, 100 + i)
     host.lease_lost("lost")
-    # its resident whole blocks stay, without a location; the others fail when read
+    host.lease_lost("never held")  # (a lease no block names: nothing to remember)
+    assert host._lost == {"lost"}
+    # its resident whole blocks stay, without a location; the others fail when read (taking no
+    # row from anyone) and are out of the prefix cache at once
+    doomed = [b for b in lost if b in host.where]
+    assert doomed and all(b not in alloc.block_hash for b in doomed)
     assert all(b not in host.where for b in lost if host.resident(b))
+    evictions = host.stats.evictions
+    host.make_resident(doomed, partial=True)
+    assert host.stats.evictions == evictions
     host.make_resident(kept + lost, layer=1, partial=True)
     failed = host.take_failed()
-    assert set(failed) == {b for b in lost if b in host.where}
+    assert set(failed) == set(doomed)
     assert all("lease" in why for why in failed.values())
     assert all(source == "a" for source, _, _ in reads) and all(r[2] == [1] * len(r[1])
                                                                 for r in reads)
