@@ -581,6 +581,44 @@ class _Worker:
         return self.up or time.monotonic() - self.last_probe >= PROBE_S
 
 
+class _Leases:
+    """The leases a decode-host cache keeps, by (worker URL, lease id): when each is renewed next
+    (every ``RENEW_S`` seconds, at most a quarter of its length), and when it last was, counted
+    from when that renewal (or the prefill request) was sent, so that the worker's clock never
+    runs ahead of ours. A lease whose renewals keep failing is lost once less than a read's
+    deadline (``timeout_s``) of it might be left; one the worker refuses to renew, at once."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.held: dict[tuple[str, str], tuple[float, float, float]] = {}  # next, renewed, length
+
+    def add(self, key: tuple[str, str], sent: float, length: float) -> None:
+        self.held[key] = (sent + min(RENEW_S, length / 4), sent, length)
+
+    def drop(self, key: tuple[str, str]) -> None:
+        self.held.pop(key, None)
+
+    def due(self, now: float) -> list[tuple[str, str]]:
+        return [key for key, (at, _, _) in self.held.items() if at <= now]
+
+    def answered(self, key: tuple[str, str], sent: float, renewed: bool | None,
+                 now: float) -> bool:
+        """A renewal sent at ``sent`` was answered (``renewed``: the worker's answer, None: no
+        answer); whether the lease is lost now (then it is dropped)."""
+        held = self.held.get(key)
+        if held is None:  # let go meanwhile
+            return False
+        _, renewed_at, length = held
+        if renewed:
+            self.add(key, sent, length)
+        elif renewed is None and now - renewed_at < length - self.timeout_s:
+            self.held[key] = (now + 1.0, renewed_at, length)  # (tried again in a second)
+        else:
+            del self.held[key]
+            return True
+        return False
+
+
 class _CacheReader:
     """The decode-host cache's remote tier (``kv.host_cache.RemoteTier``): (block, layer) units
     read on the engine thread, in one transfer per worker (``source``: its URL) waited for until the
@@ -682,9 +720,7 @@ class DecodeRouter:
         #: the decode-host cache (``--f-host`` < 1): it reads evicted blocks again from the
         #: worker that holds them, under the lease kept (and renewed) while any block names it
         self.cache = host if isinstance(host, HostCache) else None
-        #: (worker URL, lease) -> (when to renew it next, when it was last renewed, the lease's
-        #: length); "renewed" counts from when the renewal was sent
-        self._held: dict[tuple[str, str], tuple[float, float, float]] = {}
+        self.leases = _Leases(timeout_s)
         if self.cache is not None:
             self.cache.reader = _CacheReader(self.cache, self._descriptor_of, timeout_s, registry)
             registry.register(_CacheCollector(self.cache))
@@ -755,27 +791,22 @@ class DecodeRouter:
 
     def _let_go(self, key: tuple[str, str]) -> None:
         """No block of the decode-host cache names lease ``key`` any more: release it."""
-        self._held.pop(key, None)
+        self.leases.drop(key)
         self._tasks.spawn(_release(self._client, *key))
 
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            due = [key for key, (at, _, _) in self._held.items() if at <= now]
+            due = self.leases.due(time.monotonic())
             for key, result in zip(due, await asyncio.gather(
                     *(self._renew(key) for key in due), return_exceptions=True)):
                 if isinstance(result, Exception):  # (the loop must go on)
                     logger.error("renewing lease %s failed: %r", key, result)
 
     async def _renew(self, key: tuple[str, str]) -> None:
-        """Renew lease ``key``; one the worker no longer has, or whose renewals failed until
-        less than a read's deadline of it might be left, is lost to the cache."""
+        """Renew lease ``key`` (``_Leases.answered`` says what then); a lost one is lost to the
+        cache."""
         url, lease = key
-        held = self._held.get(key)
-        if held is None:  # let go since it was due
-            return
-        _, renewed_at, length = held
         sent = time.monotonic()
         try:
             resp = await self._client.post(url + "/v1/kv/renew", json={"lease": lease})
@@ -784,17 +815,9 @@ class DecodeRouter:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             logger.warning("renewing a lease on %s failed: %s", url, exc)
             renewed = None
-        now = time.monotonic()
-        if key not in self._held:  # let go meanwhile
-            return
-        if renewed:
-            self._held[key] = (sent + min(RENEW_S, length / 4), sent, length)
-        elif renewed is None and now - renewed_at < length - self.timeout_s:
-            self._held[key] = (now + 1.0, renewed_at, length)  # (tried again in a second)
-        else:
+        if self.leases.answered(key, sent, renewed, time.monotonic()):
             logger.error("lease %s on %s is lost: the decode-host cache reads nothing more under "
                          "it", lease, url)
-            self._held.pop(key)
             try:
                 await self.bridge.call(lambda: self.cache.lease_lost(key))
             except APIError:  # shutting down
@@ -917,8 +940,8 @@ class DecodeRouter:
             self._reused.labels(holder).inc(len(imp.blocks) - len(imp.missing))
         finally:
             if located:  # kept while the cache's blocks name it (``_let_go``)
-                length = float(answer.get("lease_s", 60.0))  # (its clock started by now)
-                self._held[(holder, lease)] = (start + min(RENEW_S, length / 4), start, length)
+                # (its clock started after ``start``)
+                self.leases.add((holder, lease), start, float(answer.get("lease_s", 60.0)))
             else:
                 self._tasks.spawn(_release(self._client, holder, lease))
 
