@@ -64,6 +64,13 @@ def copy_blocks(src: KVExchange, dst: KVExchange, src_blocks: list[int],
         y[rows] = x[torch.tensor(a.rows_of(src_blocks), dtype=torch.long)]
 
 
+def prefill_and_export(prefill: LLM, ids: list[int]) -> list[int]:
+    """What a prefill worker does with a prompt: prefill it (a one-token greedy request), then hold
+    its complete prefix blocks (``KVExchange.export``); returns them."""
+    prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0))
+    return KVExchange(prefill.engine.runner.backend).export(ids)
+
+
 @dataclass
 class Imported:
     """A decode engine after ``decode_imported``: its outputs, its host store and the leases it let
@@ -90,8 +97,7 @@ def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams
         host.reader.down.update(down)
         host.on_lease_idle = idle.append
     for lease, ids in enumerate(prompts):
-        prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0))
-        offered = src.export(ids)
+        offered = prefill_and_export(prefill, ids)
         if len(offered) < len(src.prompt_hashes(ids)):
             raise RuntimeError("the prefill engine could not hold a prompt's blocks")
         imp = dst.begin_import(dst.prompt_hashes(ids)[:len(offered)])

@@ -105,7 +105,6 @@ class HostCache(HostStore):
         self._quiet = False  # the device has finished every copy since this call began
         self._in_use: set[int] = set()  # referenced by a block table or held
         self.where: dict[int, Location] = {}
-        self._located = np.zeros(self.num_blocks, dtype=bool)  # (``where``'s keys, as a mask)
         self._lease_refs: defaultdict[Hashable, int] = defaultdict(int)
         self._lost: set[Hashable] = set()  # leases whose blocks may be gone remotely
         self.reader: RemoteTier | None = None
@@ -361,7 +360,6 @@ class HostCache(HostStore):
         for b, r in zip(blocks, remote_blocks):
             self._unlocate(b)
             self.where[b] = Location(source, r, lease)
-            self._located[b] = True
             self._lease_refs[lease] += 1
             if self._row_of[b] >= 0:  # (just imported: the most recently used)
                 self._evictable[b] = None
@@ -384,7 +382,6 @@ class HostCache(HostStore):
         loc = self.where.pop(block, None)
         if loc is None:
             return
-        self._located[block] = False
         if block in self._in_use:
             self._evictable.pop(block, None)
         self._lease_refs[loc.lease] -= 1
@@ -399,7 +396,8 @@ class HostCache(HostStore):
         """Per running sequence (its block table, its prompt's complete blocks P): evict its least
         recently used located prompt blocks not in ``pinned`` (its working sets) until it holds at
         most ``ceil(f_host * P) + F`` resident blocks. Returns the blocks evicted."""
-        spare = self._located.copy()  # may go: located, in no working set
+        spare = np.zeros(self.num_blocks, dtype=bool)  # may go: located, in no working set
+        spare[list(self.where)] = True
         spare[list(pinned)] = False
         evicted = 0
         for table, prompt_blocks in sequences:
@@ -439,4 +437,3 @@ class HostCache(HostStore):
         assert sum(self._lease_refs.values()) == len(self.where)
         self.flush()
         assert self.rows.tolist() == self._row_of.tolist()
-        assert set(np.flatnonzero(self._located).tolist()) == set(self.where)

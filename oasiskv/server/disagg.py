@@ -630,8 +630,7 @@ class _CacheReader:
     def __init__(self, host: HostCache, descriptor_of, timeout_s: float,
                  registry: CollectorRegistry):
         self.reader = RemoteReader(host, _agent_name("decode-cache"), timeout_s)
-        self.descriptor_of, self.block_bytes = descriptor_of, host.layout.host_block_bytes
-        self.layers = host.layout.num_layers
+        self.descriptor_of = descriptor_of
         self._failed_at: dict[str, float] = {}  # worker URL -> its last failed read
         by_worker = ["worker"]
         self._reads = Counter("oasiskv_pd_cache_reads", "NIXL transfers of the decode-host "
@@ -652,7 +651,7 @@ class _CacheReader:
         """``source``: (the worker's URL, its NIXL agent when the blocks were imported: a worker
         that restarted since has none of them)."""
         url, agent = source
-        start, transfer = time.monotonic(), None
+        start, transfer, moved = time.monotonic(), None, self.reader.stats.bytes
         self._reads.labels(url).inc()
         failures = self._failures.labels(url)  # (the series shows from the first read on)
         try:
@@ -671,9 +670,7 @@ class _CacheReader:
             exc.unsettled = transfer is not None and not transfer.settled
             raise
         self._latency.labels(url).observe(time.monotonic() - start)
-        per_layer = self.block_bytes // self.layers
-        self._bytes.labels(url).inc(sum(self.block_bytes if layer < 0 else per_layer
-                                           for layer in layers))
+        self._bytes.labels(url).inc(self.reader.stats.bytes - moved)  # (the transport's count)
 
     def close(self) -> None:
         self.reader.close()

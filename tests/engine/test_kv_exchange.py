@@ -6,7 +6,7 @@ held."""
 import pytest
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.bench.host_cache import copy_blocks
+from oasiskv.bench.host_cache import copy_blocks, prefill_and_export
 from oasiskv.kv.exchange import KVExchange
 from tests.engine.test_oasis import GREEDY, prompts
 from tests.helpers import write_tiny_checkpoint
@@ -21,11 +21,6 @@ def tiny(tmp_path_factory):
 
 def exchange(llm) -> KVExchange:
     return KVExchange(llm.engine.runner.backend)
-
-
-def prefill_and_export(prefill: LLM, ids):
-    prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0))
-    return exchange(prefill).export(ids)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
