@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Callable
 
+import numpy as np
+
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.host_cache import HostCache, NoHostRows
@@ -77,13 +79,11 @@ class TieredAllocator(BlockManager):
         if self.host is not None:
             self.host.taken([block], fresh=False)
 
-    def _drop(self, blocks: Iterable[int]) -> None:
-        if self.host is None:
-            super()._drop(blocks)
-            return
-        blocks = list(blocks)
-        super()._drop(blocks)
-        self.host.released([b for b in blocks if not self.ref_counts[b]])
+    def _drop(self, blocks: Iterable[int]) -> np.ndarray:
+        freed = super()._drop(blocks)
+        if self.host is not None:
+            self.host.released(freed.tolist())
+        return freed
 
     def forget(self, blocks: Iterable[int]) -> None:
         """``blocks``' contents can no longer be trusted: out of the prefix cache."""
