@@ -202,9 +202,10 @@ class TierConfig:
                               "setting, never read from MemTotal")
     score_alpha: float = _opt(1.0, "oasis: alpha in score = q.c + alpha*|q|.r over block min/max "
                               "summaries")
-    summary_dtype: str = _opt("auto", "oasis: block summaries in HBM: auto (the model's dtype) or "
-                              "fp8 (e4m3 rows with a scale each: half the HBM and half the bytes "
-                              "each selection scans)")
+    summary_dtype: str = _opt("auto", "oasis: block summaries in HBM: auto (as the KV cache: fp8 "
+                              "with --kv-cache-dtype fp8, else the model's dtype), fp8 (e4m3 rows "
+                              "with a scale each: half the HBM and half the bytes each selection "
+                              "scans) or model (the model's dtype)")
     draft: str = _opt("none", "oasis: how the working set is chosen: none (select with the current "
                       "token's query before attention: synchronous retrieval) or lookahead, one "
                       "step ahead, from: previous (the current query predicts the next), ngram "
@@ -242,8 +243,9 @@ class TierConfig:
         if self.f_host < 1.0 and not self.lookahead:
             raise ValueError("f_host < 1 needs a lookahead --draft: blocks read again from the "
                              "remote tier are read between steps, for the next step's selection")
-        if self.summary_dtype not in ("auto", "fp8"):
-            raise ValueError(f"summary_dtype must be auto or fp8, got {self.summary_dtype!r}")
+        if self.summary_dtype not in ("auto", "fp8", "model"):
+            raise ValueError(f"summary_dtype must be auto, fp8 or model, got "
+                             f"{self.summary_dtype!r}")
         if self.prefetch not in ("async", "inline", "off"):
             raise ValueError(f"prefetch must be async, inline or off, got {self.prefetch!r}")
 
@@ -312,6 +314,13 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         parse_dtype(self.dtype)
+
+    @property
+    def fp8_summaries(self) -> bool:
+        """Whether tiered KV stores its block summaries as FP8 (``summary_dtype``; ``auto``
+        follows ``kv_cache_dtype``)."""
+        dtype = self.tier.summary_dtype
+        return dtype == "fp8" or dtype == "auto" and self.kv_cache_dtype == "fp8"
 
     @classmethod
     def from_flat(cls, **settings) -> "EngineConfig":

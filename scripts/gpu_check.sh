@@ -70,17 +70,18 @@ for stage in $stages; do
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
           --prefetch "$prefetch" --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE"
       done ;;
-    compare)  # before/after a change: dense 32K x max and the emulated-host point (64 x 32K, ngram,
-      # async), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C .before`) and this one,
-      # interleaved so both see the same machine
-      for run in before-dense after-dense before-emulated after-emulated; do
+    compare)  # before/after a change: dense 32K x max and the emulated-host point (EMU_CONC x 32K, ngram,
+      # async, KV_DTYPE, SUMMARY_DTYPE), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C
+      # .before`) and this one, interleaved so both see the same machine; COMPARE_RUNS narrows it
+      for run in ${COMPARE_RUNS:-before-dense after-dense before-emulated after-emulated}; do
         tree=$PWD; [ "${run%%-*}" = before ] && tree=$PWD/.before
         export PYTHONPATH=$tree
         if [ "${run#*-}" = dense ]; then
           bench "$run" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 64
         else
-          bench "$run" --context-lens 32768 --concurrency 64 --output-lens 32 --max-num-seqs 128 \
-            --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram --prefetch async
+          bench "$run" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 --max-num-seqs 128 \
+            --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram --prefetch async \
+            --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE"
         fi
       done
       export PYTHONPATH=$PWD ;;

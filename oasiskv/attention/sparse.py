@@ -62,7 +62,7 @@ class SparseBackend(AttentionBackend):
         self.config, self.device = config, device
         layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                               tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype),
-                              storage_dtype(tier.summary_dtype, dtype))
+                              storage_dtype("fp8" if config.fp8_summaries else "auto", dtype))
         self.kv = TieredKV(layout, tier, device, probes or TierProbes())
         self.guardrail = Guardrail(self.kv, tier.guardrail_rate, cfg.num_heads)
         # observers read each step's scores on the host: such an engine never captures graphs

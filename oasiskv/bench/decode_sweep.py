@@ -83,7 +83,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="K/V storage (pool, host store, working sets): auto or fp8")
     parser.add_argument("--summary-dtype", default="auto",
-                        help="oasis: block summaries in HBM: auto (the model's dtype) or fp8")
+                        help="oasis: block summaries in HBM: auto (as the KV cache), fp8 or "
+                             "model (the model's dtype)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -237,7 +238,7 @@ def _label(engine: LLMEngine) -> str:
     else:  # synchronous retrieval selects in line whatever --prefetch says, unless it is off
         mode = "sync-off" if t.prefetch == "off" else "sync"
     guard = f"-guard{t.guardrail_rate:g}" if t.guardrail_rate else ""
-    fp8 += "-fp8sum" if t.summary_dtype == "fp8" else ""
+    fp8 += "-fp8sum" if c.fp8_summaries else ""
     return (f"oasis-K{t.topk_blocks}-{mode}{fp8}{guard}"
             + ("-EMULATED" if emulated_label(engine) else ""))
 

@@ -112,7 +112,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
                         help="K/V storage of every run but the reference dense one: auto or fp8 "
                              "(then a 'dense fp8' run is added)")
     parser.add_argument("--summary-dtype", default="auto",
-                        help="block summaries of the tiered runs: auto (the model's dtype) or fp8")
+                        help="block summaries of the tiered runs: auto (as the KV cache), fp8 "
+                             "or model (the model's dtype)")
 
 
 def windows(engine: LLMEngine, text_file: str, count: int, length: int) -> list[list[int]]:
@@ -233,7 +234,9 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
         _free(engine)
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     base["summary_dtype"] = args.summary_dtype
-    suffix += " fp8-summaries" if args.summary_dtype == "fp8" else ""
+    if EngineConfig.from_flat(kv_cache_dtype=args.kv_cache_dtype,
+                              summary_dtype=args.summary_dtype).fp8_summaries:
+        suffix += " fp8-summaries"
     for k in (int(x) for x in args.topk_blocks.split(",")):
         for ratio in (1.0, args.fetch_ratio):
             engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,

@@ -15,6 +15,9 @@ size), then one JSON line.
 at 128 rows x 32K (2,048 blocks each, 8 kv heads, bf16 summaries, or FP8 with ``--summary-dtype
 fp8``, one layer), for each launch config (block-table entries x warps per program); GB/s counts
 the summary bytes read (FP8: values and scales).
+
+``python -m oasiskv.bench.kernels --select``: ``select_blocks`` (the capped top-K selection) at 128
+rows x 2,048 blocks x 8 kv heads, K = 128, cap 7, one layer, for 1, 2, 4 and 8 warps per program.
 """
 import argparse
 import json
@@ -157,6 +160,42 @@ def bench_scores(fp8: bool = False) -> dict:
     return {"bench": "block_scores", "rows": n, "blocks": m, "results": rows}
 
 
+SELECT_ROWS, SELECT_K, SELECT_CAP = 128, 128, 7  # 128 x 32K, K = 128, f = 0.05
+
+
+def bench_select(select=None) -> dict:
+    """``select_blocks`` (top-K, hits, capped admissions; one layer) at SELECT_ROWS rows x
+    SCORE_BLOCKS blocks x 8 kv heads, half the slots filled, for each ``num_warps``; ``select``:
+    another implementation with the same signature (default the engine's). The timed graph restores
+    the scores (the kernel's scratch) before each call; that copy is timed alone and subtracted."""
+    from oasiskv.kernels.select_blocks import select_blocks
+    select = select or select_blocks
+    dev = torch.device("cuda")
+    n, m, k, cap = SELECT_ROWS, SCORE_BLOCKS, SELECT_K, SELECT_CAP
+    gen = torch.Generator(dev).manual_seed(0)
+    pristine = torch.randn(n, NUM_KV_HEADS, m, device=dev, generator=gen)
+    scores = pristine.clone()
+    ws_map = torch.randint(0, m, (n, NUM_KV_HEADS, k + 1), device=dev, generator=gen,
+                           dtype=torch.int32)
+    ws_map[:, :, k // 2:] = -1
+    ws_last = torch.randint(0, 50, (n, NUM_KV_HEADS, k), device=dev, generator=gen)
+    slots = torch.arange(n, device=dev)
+    tables = torch.randperm(n * m, device=dev).to(torch.int32).view(n, m)
+    now, counters = torch.tensor(100, device=dev), torch.zeros(3, dtype=torch.long, device=dev)
+    copy_ms = _graph_median_ms(lambda: scores.copy_(pristine))
+    print(f"select_blocks: {n} rows x {m} blocks x {NUM_KV_HEADS} kv heads, K {k}, cap {cap}, "
+          f"on {torch.cuda.get_device_name()} (score restore {copy_ms:.4f} ms, subtracted)")
+    rows = []
+    for warps in (1, 2, 4, 8):
+        ms = _graph_median_ms(lambda: (scores.copy_(pristine), select(
+            scores, ws_map, ws_last, slots, tables, k, cap, now, counters,
+            num_warps=warps))) - copy_ms
+        rows.append({"num_warps": warps, "ms": ms})
+        print(f"num_warps {warps}: {ms:.4f} ms", flush=True)
+    return {"bench": "select_blocks", "rows": n, "blocks": m, "k": k, "cap": cap,
+            "results": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,6 +203,8 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--scores", action="store_true", help="the summary-scan benchmark instead")
+    parser.add_argument("--select", action="store_true",
+                        help="the selection benchmark (select_blocks) instead")
     parser.add_argument("--summary-dtype", choices=("auto", "fp8"), default="auto",
                         help="--scores: summaries in the model's dtype (bf16) or FP8")
     parser.add_argument("--sweep-launch", action="store_true",
@@ -173,6 +214,9 @@ def main() -> None:
         sys.exit("oasiskv.bench.kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
     if args.scores:
         print(json.dumps(bench_scores(args.summary_dtype == "fp8")))
+        return
+    if args.select:
+        print(json.dumps(bench_select()))
         return
     fp8 = args.kv_cache_dtype == "fp8"
     rows = []

@@ -50,7 +50,7 @@ def _select_kernel(
     # 1. wanted = top-k valid blocks by (score desc, index asc)
     s = tl.load(score_row + offs_m, mask=m_mask, other=float("-inf"))
     valid = s > float("-inf")
-    bits = s.to(tl.int32, bitcast=True).to(tl.int64)
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True).to(tl.int64)  # (-0.0 is 0.0)
     # a negative float's magnitude bits flipped: float order
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = tl.where(valid, key, -2147483648)
@@ -112,8 +112,8 @@ def _select_kernel(
 
 def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Tensor,
                   slots: torch.Tensor, block_tables: torch.Tensor, k: int, cap: int,
-                  now: torch.Tensor,
-                  counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  now: torch.Tensor, counters: torch.Tensor,
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan one layer's capped selection for rows ``slots`` and update the residency tables in
     place.
 
@@ -127,7 +127,7 @@ def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Ten
     misses and admitted blocks (summed over rows and heads) are added to entries 0-2. Returns
     (src_block, dst_slot), int64 ``[N, Hk, cap]``: host block to copy and the slot it lands in,
     admitted misses in score order, -1 past them. No host sync; CUDA-graph capturable (the grid
-    depends on shapes only).
+    depends on shapes only). ``num_warps``: per program (default by M; benchmarks sweep it).
     """
     n, heads, m = scores.shape
     assert scores.dtype == torch.float32 and scores.stride(2) == 1
@@ -150,6 +150,6 @@ def select_blocks(scores: torch.Tensor, ws_map: torch.Tensor, ws_last: torch.Ten
         ws_last.stride(1), block_tables.stride(0), src.stride(0), src.stride(1),
         BLOCK_M=block_m, BLOCK_K=triton.next_power_of_2(k), EMPTY_FIRST=_EMPTY_FIRST,
         PROTECTED=_PROTECTED,
-        num_warps=4 if block_m <= 2048 else 8 if block_m <= 8192 else 16,
+        num_warps=num_warps or (4 if block_m <= 2048 else 8 if block_m <= 8192 else 16),
     )
     return src, dst

@@ -33,9 +33,10 @@ def dense_tokens(path, batch, params=GREEDY, kv_cache_dtype="auto", **kw):
     dict(max_num_batched_tokens=48),
     # host store too small for all at once: queueing + preemption
     dict(host_kv_gib=0.0004, max_num_seqs=8),
-    # FP8 summaries: scores change, the selection of every block does not
-    dict(summary_dtype="fp8"),
-], ids=["plain", "chunked-prefill", "tight-host-store", "fp8-summaries"])
+    # FP8 summaries (with FP8 K/V: summaries in the model's dtype): scores change, the selection of
+    # every block does not
+    dict(summary_dtype="fp8"), dict(summary_dtype="model"),
+], ids=["plain", "chunked-prefill", "tight-host-store", "fp8-summaries", "model-summaries"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw, kv_cache_dtype):
     """FP8: the host store, working sets and dense pool quantise every row the same way, so tiered
@@ -289,7 +290,7 @@ def test_guardrail_predictor_auc_and_quartiles():
 
 
 @pytest.mark.parametrize("kv_cache_dtype,summary_dtype", [("auto", "auto"), ("fp8", "auto"),
-                                                          ("fp8", "fp8")])
+                                                          ("fp8", "model"), ("auto", "fp8")])
 def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch, kv_cache_dtype,
                                                        summary_dtype):
     """The engine's calls into every Triton kernel (interpreter on CPU) give dense decode's tokens

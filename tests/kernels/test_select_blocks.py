@@ -55,7 +55,8 @@ def _compare(case, k, cap):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("k,m,cap", [(6, 11, 2), (6, 11, 6), (4, 3, 1), (8, 40, 3), (1, 5, 1)])
+@pytest.mark.parametrize("k,m,cap", [(6, 11, 2), (6, 11, 6), (4, 3, 1), (8, 40, 3), (1, 5, 1),
+                                     (40, 300, 7)])
 def test_select_blocks_matches_reference(seed, k, m, cap):
     counters = _compare(_case(k=k, m=m, seed=seed), k, cap)
     assert counters[0] + counters[1] > 0  # something was wanted
@@ -76,6 +77,27 @@ def test_select_blocks_ties_keep_the_policy():
             assert src[r, h].tolist() == block_tables[r, :4].long().tolist()
             assert dst[r, h].tolist() == [0, 1, 2, 3]
     assert counters.tolist() == [0, 16, 16]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_select_blocks_top_k_with_many_ties_is_exact(seed):
+    """Scores from a handful of values, either sign, some blocks missing: the K wanted blocks are
+    exactly the first K by (score desc, block index asc), whatever the search's probes land on."""
+    gen = torch.Generator().manual_seed(seed)
+    n, heads, m, k = 3, 2, 517, 50
+    values = torch.tensor([-3.5e4, -1.0, -0.0, 0.0, 0.0, 2.5e-30, 7.0, 7.000001, 3e38])
+    scores = values[torch.randint(0, len(values), (n, heads, m), generator=gen)]
+    scores[torch.rand(n, heads, m, generator=gen) < 0.2] = float("-inf")
+    ws_map = torch.full((n, heads, k + 1), -1, dtype=torch.int32)
+    ws_last = torch.zeros((n, heads, k), dtype=torch.long)
+    block_tables = torch.arange(m, dtype=torch.int32).repeat(n, 1)
+    select_blocks(scores.clone(), ws_map, ws_last, torch.arange(n), block_tables, k, k,
+                  torch.tensor(1), torch.zeros(3, dtype=torch.long))
+    for r in range(n):
+        for h in range(heads):
+            order = sorted((b for b in range(m) if scores[r, h, b] > float("-inf")),
+                           key=lambda b: (-scores[r, h, b].item(), b))
+            assert sorted(ws_map[r, h, :k].tolist()) == sorted(order[:k])
 
 
 @pytest.mark.gpu

@@ -118,6 +118,17 @@ def test_engine_config_rejects_nonsense():
         EngineConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int3")
+    with pytest.raises(ValueError, match="summary_dtype"):
+        EngineConfig.from_flat(summary_dtype="fp4")
+
+
+@pytest.mark.parametrize("kv_cache_dtype, summary_dtype, fp8", [
+    ("auto", "auto", False), ("fp8", "auto", True), ("fp8", "model", False),
+    ("auto", "fp8", True), ("fp8", "fp8", True)])
+def test_block_summaries_follow_the_kv_cache_unless_told(kv_cache_dtype, summary_dtype, fp8):
+    config = EngineConfig.from_flat(kv_mode="oasis", kv_cache_dtype=kv_cache_dtype,
+                                    summary_dtype=summary_dtype)
+    assert config.fp8_summaries is fp8
 
 
 @pytest.mark.parametrize("kw, field", [
