@@ -34,7 +34,6 @@ from oasiskv.engine.sequence import Sequence
 from oasiskv.kernels.fp8 import storage_dtype
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.guardrail import Guardrail
-from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.lookahead import Lookahead
 from oasiskv.kv.probes import TierProbes
@@ -126,7 +125,7 @@ class SparseBackend(AttentionBackend):
         self.allocator = TieredAllocator(host.num_blocks, self._padding_slot,
                                          self.kv.layout.block_size, on_free=self._release,
                                          enable_prefix_sharing=sharing,
-                                         host=host if isinstance(host, HostCache) else None)
+                                         host=host if host.evicts else None)
         return self.allocator
 
     @property
@@ -164,7 +163,7 @@ class SparseBackend(AttentionBackend):
         else:
             self.kv.now += 1
             self._decode_rows += len(batch)
-            if isinstance(self.kv.host, HostCache) and int(self.kv.now) % LRU_PERIOD == 0:
+            if self.kv.host.evicts and int(self.kv.now) % LRU_PERIOD == 0:
                 self._enforce_budgets(batch.seqs)
             self.guardrail.pick(batch.seqs, [len(seq) - 1 for seq in batch.seqs])
             if self.lookahead is not None:
@@ -176,8 +175,7 @@ class SparseBackend(AttentionBackend):
                         index[row] = n + j
                     arrays += [(index, torch.int32), (rows, torch.long)]
         tensors = to_device_many(arrays, self.device)
-        if isinstance(self.kv.host, HostCache):
-            self.kv.host.flush()  # the rows of blocks handed out since the last step
+        self.kv.host.flush()  # the rows of blocks handed out since the last step
         step = plan.meta = self._eager = TierStep(tensors[0],
                                                   ends_prefill=list(batch.ends_prefill))
         if len(tensors) > 1:
@@ -231,9 +229,8 @@ class SparseBackend(AttentionBackend):
 
     def finish(self, batch: ScheduledBatch) -> StepStats:
         self.retrieval.finish()
-        failed = {}
-        if isinstance(self.kv.host, HostCache) and self.kv.host.failed:
-            lost = self.kv.host.take_failed()
+        failed, lost = {}, self.kv.host.take_failed()
+        if lost:
             for seq in batch.seqs:  # (they end now: the next step would attend stale blocks)
                 why = next((lost[b] for b in seq.block_table if b in lost), None)
                 if why is not None:

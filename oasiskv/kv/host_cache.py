@@ -83,6 +83,8 @@ class CacheStats:
 
 
 class HostCache(HostStore):
+    evicts = True
+
     def __init__(self, layout: TieredLayout, num_blocks: int, pin: bool, num_physical: int,
                  device: torch.device, f_host: float):
         super().__init__(layout, min(num_physical, num_blocks), pin)

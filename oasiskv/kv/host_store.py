@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 class HostStore:
     """``num_blocks`` host blocks (ids 0..num_blocks-1), page-locked when ``pin``."""
 
+    #: whether a block can leave its row while a block table names it (a decode-host cache,
+    #: ``kv/host_cache.py``): then the backend has the blocks each step's captured copies will read
+    #: made resident first, runs the cache's LRU pass, and ends the sequences whose reads failed
+    evicts = False
+
     def __init__(self, layout: TieredLayout, num_blocks: int, pin: bool):
         if num_blocks < 1:
             raise ValueError("the host store needs at least one block: raise host_kv_gib")
@@ -59,6 +64,14 @@ class HostStore:
         """Token slots ``block * B + offset`` (negative = none) -> slots in the rows of
         ``k``/``v``."""
         return slots
+
+    def flush(self) -> None:
+        """Send row-table changes to the device (a store whose rows move has some)."""
+
+    def take_failed(self) -> dict[int, str]:
+        """The blocks whose bytes could not be had since the last call, with why (none
+        here)."""
+        return {}
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views ``[num_blocks, Hk, B]`` of one layer's K and V row scales (FP8), else None."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.prefetch import PrefetchPipeline, Tail
 from oasiskv.kv.tiered import DecodeRows, TieredKV
 
@@ -125,7 +124,7 @@ class LookaheadRetrieval(Retrieval):
         (their counters are read next)."""
         tail, self._due = self._due, None
         if tail is not None:
-            if isinstance(self.kv.host, HostCache):
+            if self.kv.host.evicts:
                 self._make_resident()
             self.pipeline.run_captured(tail)
         self.pipeline.wait_selections()
