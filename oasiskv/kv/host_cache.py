@@ -29,12 +29,15 @@ are never evicted by it. ``touch`` marks blocks used (working sets, reads).
 
 Leases: every located block names the lease that keeps its remote copy; a lease none of them names
 any more is passed to ``on_lease_idle`` (the server releases it). A located block loses its
-location when its last reference goes (``released``) or when it is handed out again.
+location when its last reference goes (``released``), when it is handed out again, or when it was
+located for a request that never took it (imported, then the request failed or waited too long):
+``drop_unused`` lets such blocks go as ``released`` does, so that no lease is kept for them.
 """
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Protocol
@@ -106,6 +109,8 @@ class HostCache(HostStore):
         self._clock = 0
         self._quiet = False  # the device has finished every copy since this call began
         self._in_use: set[int] = set()  # referenced by a block table or held
+        #: located blocks no block table references and nobody holds, since when (monotonic s)
+        self._unused_since: dict[int, float] = {}
         self.where: dict[int, Location] = {}
         self._lease_refs: defaultdict[Hashable, int] = defaultdict(int)
         self._lost: set[Hashable] = set()  # leases whose blocks may be gone remotely
@@ -326,6 +331,8 @@ class HostCache(HostStore):
     def taken(self, blocks: list[int], fresh: bool) -> None:
         """``blocks`` are referenced now; ``fresh``: handed out for new contents (they get rows and
         lose their locations; ``NoHostRows`` when no row is left), else shared or revived."""
+        for b in blocks:
+            self._unused_since.pop(b, None)
         if fresh:
             for b in blocks:
                 self._unlocate(b)
@@ -359,10 +366,13 @@ class HostCache(HostStore):
                lease: Hashable) -> None:
         """Blocks ``blocks`` are also blocks ``remote_blocks`` of ``source`` (kept under
         ``lease``)."""
+        now = time.monotonic()
         for b, r in zip(blocks, remote_blocks):
             self._unlocate(b)
             self.where[b] = Location(source, r, lease)
             self._lease_refs[lease] += 1
+            if b not in self._in_use:
+                self._unused_since[b] = now
             if self._row_of[b] >= 0:  # (just imported: the most recently used)
                 self._evictable[b] = None
                 self._evictable.move_to_end(b)
@@ -380,7 +390,19 @@ class HostCache(HostStore):
             else:  # no later request may take it from the prefix cache
                 self.on_forget(b)
 
+    def drop_unused(self, grace_s: float) -> int:
+        """Let go (as ``released``) of the located blocks that no block table has referenced nor
+        anyone held for ``grace_s`` seconds since they were located: their leases are not kept for
+        them any more; a resident one stays a cached block, one that is not leaves the prefix cache.
+        Returns how many."""
+        cutoff = time.monotonic() - grace_s
+        stale = [b for b, since in self._unused_since.items() if since <= cutoff]
+        self.released(stale)
+        self.flush()
+        return len(stale)
+
     def _unlocate(self, block: int) -> None:
+        self._unused_since.pop(block, None)
         loc = self.where.pop(block, None)
         if loc is None:
             return
@@ -437,5 +459,6 @@ class HostCache(HostStore):
             else:
                 assert b in self.where or self._valid[b] == self._full, b
         assert sum(self._lease_refs.values()) == len(self.where)
+        assert set(self._unused_since) <= set(self.where) - self._in_use
         self.flush()
         assert self.rows.tolist() == self._row_of.tolist()

@@ -67,10 +67,11 @@ instead of releasing it (renewed with ``POST /v1/kv/renew`` every ``RENEW_S`` se
 resident blocks (prompt blocks only, never one a working set holds); a block a selection wants
 that is not resident is read again, only at the layers selections want it (one NIXL transfer
 per worker, on the engine thread, before the step's copies into HBM). A lease is released once no
-block names it (its requests ended). A failed read ends the requests whose blocks it was
-reading, with an error; the others go on. A lease a worker no longer knows (a refused renewal,
-renewals failing until less than ``--remote-timeout`` of it might be left, or the worker
-restarted: its NIXL agent changed) is *lost*:
+block names it (its requests ended, or ``IMPORT_GRACE_S`` seconds after the import when its
+request never took the blocks: failed first, or still queued). A failed read ends the requests
+whose blocks it was reading, with an error; the others go on. A lease a worker no longer knows
+(a refused renewal, renewals failing until less than ``--remote-timeout`` of it might be left, or
+the worker restarted: its NIXL agent changed) is *lost*:
 the blocks it kept are not read from there again, and requests that need one of them end with an
 error.
 Every wait has a deadline: an HTTP connection or control message and a NIXL read
@@ -121,6 +122,9 @@ PROBE_S = 2.0
 #: seconds between two renewals of a lease the decode-host cache keeps (at most a quarter of the
 #: lease's length, which the worker's answer names)
 RENEW_S = 10.0
+#: seconds an imported block may wait for the request it was imported for (queued, or failed
+#: before the engine took it) before the decode-host cache lets its location and lease go
+IMPORT_GRACE_S = 60.0
 _POLL_S = 0.0005  # between two polls of a NIXL transfer in flight
 
 
@@ -156,7 +160,7 @@ async def _release(client: httpx.AsyncClient, url: str, lease: str) -> None:
     try:
         await client.post(url + "/v1/kv/release", json={"lease": lease})
     except httpx.HTTPError as exc:
-        logger.warning("releasing a lease on %s failed: %s", url, exc)
+        logger.warning("releasing a lease on %s failed: %s: %s", url, type(exc).__name__, exc)
 
 
 class _Tasks:
@@ -794,6 +798,12 @@ class DecodeRouter:
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            try:  # (blocks no request took: their leases are not renewed for nothing)
+                await self.bridge.call(lambda: self.cache.drop_unused(IMPORT_GRACE_S))
+            except APIError:  # shutting down
+                return
+            except Exception:  # noqa: BLE001 (the loop must go on)
+                logger.exception("letting go of imported blocks no request took failed")
             due = self.leases.due(time.monotonic())
             for key, result in zip(due, await asyncio.gather(
                     *(self._renew(key) for key in due), return_exceptions=True)):

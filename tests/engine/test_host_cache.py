@@ -201,3 +201,32 @@ def test_a_refusal_changes_nothing_and_a_lost_lease_is_not_read_again():
     alloc.release(kept + lost)
     assert not host.where and not host._lost
     host.check_invariants()
+
+
+def test_blocks_located_for_a_request_that_never_took_them_let_their_lease_go():
+    """Imported blocks are located after the import lets go of them, for the request added next to
+    take from the prefix cache; if it never does, ``drop_unused`` (after a grace) lets them go as a
+    release would: the lease is idle, a resident block stays cached, an evicted one leaves the
+    prefix cache. A block a request took keeps its location."""
+    layout = TieredLayout(1, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
+    host = HostCache(layout, 32, False, 8, torch.device("cpu"), 0.5)
+    alloc = TieredAllocator(32, 2, 16, host=host)
+    idle = []
+    host.on_lease_idle = idle.append
+    blocks = alloc.hold_new(4)
+    for i, b in enumerate(blocks):  # (named, as an import names them)
+        alloc.register(b, 100 + i)
+    alloc.release(blocks)
+    host.locate(blocks, [10, 11, 12, 13], "peer", "lease")
+    taken = alloc.hold_cached([100])  # a request takes the first block
+    host._evict(blocks[3])  # (the LRU took the last one's row)
+    assert host.drop_unused(grace_s=60.0) == 0 and not idle  # within the grace: kept
+    host.check_invariants()
+    assert host.drop_unused(grace_s=0.0) == 3
+    assert idle == [] and set(host.where) == {blocks[0]}  # the taken block keeps the lease
+    assert all(alloc.hash_to_block.get(100 + i) == b for i, b in enumerate(blocks[:3]))
+    assert 103 not in alloc.hash_to_block  # not resident, no location: out of the prefix cache
+    host.check_invariants()
+    alloc.release(taken)
+    assert idle == ["lease"] and not host.where
+    host.check_invariants()
