@@ -6,15 +6,18 @@ a decode-host cache on the decode worker (``pd-cache:F``: ``--f-host F``), same 
 python scripts/pd_bench.py qwen3-8b --context 32768 --requests 32 --max-tokens 64 \\
     --prefill-gpu 1 --decode-gpu 0 -- --kv-mode oasis --host-kv-gib 96 --draft ngram
 
-Each setup gets ``--requests`` concurrent streamed completions of ``--context`` random prompt token
-ids and ``--max-tokens`` tokens each. Reported per setup: TTFT (mean, p99), decode tok/s (tokens
+Each setup gets ``--requests`` concurrent streamed completions of ``--context`` prompt token ids
+(random ones, or with ``--text FILE``, a JSON ``{"docs": [...]}`` of held-out text, consecutive
+windows of it in the model's tokens: a trained model's selections then have its real locality)
+and ``--max-tokens`` tokens each, greedy. Reported per setup: TTFT (mean, p99), decode tok/s (tokens
 after each request's first, over the time from the first first-token to the last token), the
 largest running batch seen on /metrics (polled), and for the decode worker the bytes read at
 admission, NIXL reads and their GB/s (bytes over the summed transfer seconds) with the p99
 transfer time (histogram bucket bound); with a decode-host cache also the blocks it read again
 (misses, GB, transfers, their p99), its evictions, and the most host rows in use at once (of
-its rows). A table, then one JSON line. Everything after ``--`` goes
-to every ``oasiskv serve`` as is (both workers need the same KV flags). A bench preset runs with
+its rows), and how many completions have the first setup's text. A table, then one JSON line.
+Everything after ``--`` goes to every ``oasiskv serve`` as is (both workers need the same KV
+flags). A bench preset runs with
 random weights (``--load-format dummy``), the same in every process; the GPUs given run the
 workers (``CUDA_VISIBLE_DEVICES``), the single node on the decode GPU.
 """
@@ -45,8 +48,25 @@ def _histogram_p99(m: dict[str, float], name: str) -> float | None:
     return next((le for le, v in buckets if v >= 0.99 * count), float("inf"))
 
 
-def run_load(args, front: Server) -> dict:
-    """The load against ``front``; returns the measured point."""
+def prompts(args) -> list[list[int]]:
+    """``--requests`` prompts of ``--context`` token ids: random, or windows of ``--text``."""
+    if not args.text:
+        return [[random.Random(i).randrange(1, 250) for _ in range(args.context)]
+                for i in range(args.requests)]
+    from transformers import AutoTokenizer
+
+    from oasiskv.models.loader import resolve_model_path
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
+    with open(args.text) as f:
+        ids = tokenizer.encode("\n".join(json.load(f)["docs"]), add_special_tokens=False)
+    if len(ids) < args.requests * args.context:
+        raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than {args.requests} x "
+                         f"{args.context}")
+    return [ids[i * args.context:(i + 1) * args.context] for i in range(args.requests)]
+
+
+def run_load(args, front: Server, batch: list[list[int]]) -> dict:
+    """The load of ``batch`` (prompts) against ``front``; returns the measured point."""
     peak, stop = [0.0], threading.Event()
 
     rows = [0.0]
@@ -61,12 +81,10 @@ def run_load(args, front: Server) -> dict:
                 pass
             stop.wait(0.5)
 
-    def one(i: int) -> tuple[float, float, float, int]:
-        rng = random.Random(i)
-        body = {"prompt": [rng.randrange(1, 250) for _ in range(args.context)],
-                "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        start, first, last, tokens = time.monotonic(), None, None, 0
+    def one(i: int) -> tuple[float, float, float, int, str]:
+        body = {"prompt": batch[i], "max_tokens": args.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        start, first, last, tokens, text = time.monotonic(), None, None, 0, ""
         with httpx.stream("POST", front.url + "/v1/completions", json=body,
                           timeout=args.timeout) as resp:
             if resp.status_code != 200:
@@ -76,19 +94,21 @@ def run_load(args, front: Server) -> dict:
                     last = time.monotonic()
                     first = first or last
                     tokens += 1
-        return start, first, last, tokens
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return start, first, last, tokens, text
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     with ThreadPoolExecutor(args.requests) as pool:
         results = list(pool.map(one, range(args.requests)))
     stop.set()
-    ttft = [first - start for start, first, _, _ in results]
+    ttft = [first - start for start, first, *_ in results]
     span = max(r[2] for r in results) - min(r[1] for r in results)
-    decoded = sum(tokens - 1 for *_, tokens in results)
+    decoded = sum(r[3] - 1 for r in results)
     m = front.metrics()
     point = {"ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _p99(ttft),
-             "decode_tok_s": decoded / span if span > 0 else 0.0, "peak_batch": peak[0]}
+             "decode_tok_s": decoded / span if span > 0 else 0.0, "peak_batch": peak[0],
+             "texts": [r[4] for r in results]}
     if "oasiskv_pd_admission_bytes_total" in m:
         nbytes, seconds = (m["oasiskv_pd_admission_bytes_total"],
                            m.get("oasiskv_pd_remote_read_seconds_sum", 0.0))
@@ -121,6 +141,9 @@ def _flags(parser) -> None:
     parser.add_argument("--decode-flags", default="",
                         help="more serve flags for the decode worker only (e.g. a smaller "
                              "--host-kv-gib for the pd-cache setups)")
+    parser.add_argument("--text", default=None,
+                        help='prompts from this JSON {"docs": [...]} of held-out text instead of '
+                             'random token ids')
     parser.add_argument("--setups", default="single,pd",
                         help="which setups to run, in order: single, pd, pd-memory (pd with a "
                              "memory worker that every prompt's KV is offloaded to), pd-cache:F "
@@ -129,6 +152,7 @@ def _flags(parser) -> None:
 
 def main() -> int:
     args, extra = parse(__doc__, requests=32, max_tokens=64, timeout=1800.0, add=_flags)
+    batch = prompts(args)
     points = {}
     for setup in args.setups.split(","):
         servers = []
@@ -151,9 +175,9 @@ def main() -> int:
                                       "--prefill-url", prefill.url, *cache))
             else:
                 raise SystemExit(f"unknown setup {setup!r} (single, pd, pd-memory, pd-cache:F)")
-            points[setup] = run_load(args, servers[-1])
+            points[setup] = run_load(args, servers[-1], batch)
         finally:
-            for s in servers:
+            for s in reversed(servers):  # the front first: it lets go of its leases on the others
                 s.stop()
     columns = (("admission_gb", "admission GB", 13), ("remote_reads", "reads", 6),
                ("remote_gb_s", "remote GB/s", 12), ("remote_read_p99_s", "read p99 s", 11),
@@ -161,13 +185,18 @@ def main() -> int:
                ("cache_reads", "cache reads", 12), ("cache_read_p99_s", "cache p99 s", 12),
                ("cache_evictions", "evictions", 10), ("cache_rows_peak", "rows peak", 10),
                ("cache_rows", "rows", 8))
+    first = next(iter(points.values()))["texts"] if points else []
+    for p in points.values():
+        p["same_text"] = sum(a == b for a, b in zip(p.pop("texts"), first))
     print(f"{'setup':13} {'TTFT mean s':>12} {'TTFT p99 s':>11} {'decode tok/s':>13} "
-          f"{'peak batch':>11} " + " ".join(f"{title:>{w}}" for _, title, w in columns))
+          f"{'peak batch':>11} {'same text':>10} "
+          + " ".join(f"{title:>{w}}" for _, title, w in columns))
     for setup, p in points.items():
         cells = [f"{p.get(k):>{w}.3f}" if isinstance(p.get(k), float) else f"{'-':>{w}}"
                  for k, _, w in columns]
         print(f"{setup:13} {p['ttft_mean_s']:12.3f} {p['ttft_p99_s']:11.3f} "
-              f"{p['decode_tok_s']:13.1f} {p['peak_batch']:11.0f} " + " ".join(cells))
+              f"{p['decode_tok_s']:13.1f} {p['peak_batch']:11.0f} "
+              f"{p['same_text']:>4}/{len(first):<5} " + " ".join(cells))
     print(json.dumps({"model": args.model, "context": args.context, "requests": args.requests,
                       "max_tokens": args.max_tokens, "flags": extra, "points": points}))
     return 0
