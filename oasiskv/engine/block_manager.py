@@ -49,10 +49,13 @@ class BlockManager(KVAllocator):
         return len(self.free_blocks)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_to_add(seq, num_new_tokens) <= len(self.free_blocks)
+        n = self.blocks_to_add(seq, num_new_tokens)
+        return not n or n <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        seq.block_table += self._take_free(self.blocks_to_add(seq, num_new_tokens))
+        n = self.blocks_to_add(seq, num_new_tokens)
+        if n:  # (most decode steps: no sequence starts a block)
+            seq.block_table += self._take_free(n)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its blocks; those no one references join the end of
@@ -140,7 +143,7 @@ class BlockManager(KVAllocator):
         forgotten; ``RuntimeError`` (nothing taken) when fewer are free."""
         if n > len(self.free_blocks):
             raise RuntimeError(f"KV pool exhausted: need {n} blocks, {len(self.free_blocks)} free")
-        if not n:  # (most decode steps: no sequence starts a block)
+        if not n:
             return []
         blocks = self.free_blocks.pop(n)
         self.ref_counts[blocks] = 1

@@ -100,9 +100,9 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
-        queue = [s for s in self.running if not s.in_prefill]
+        queue = deque(s for s in self.running if not s.in_prefill)
         while queue:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             while not self.allocator.can_allocate(seq, 1):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)

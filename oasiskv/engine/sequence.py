@@ -64,13 +64,14 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self) - self.num_computed_tokens
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def in_prefill(self) -> bool:
-        """True while more than the last token still needs a forward pass."""
-        return (self.num_uncomputed_tokens > 1
-                or not self.output_token_ids and self.num_uncomputed_tokens > 0)
+        """True while more than the last token still needs a forward pass (asked of every
+        running sequence twice a step: kept to one subtraction)."""
+        left = len(self.token_ids) - self.num_computed_tokens
+        return left > 1 or left > 0 and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:
