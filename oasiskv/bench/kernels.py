@@ -163,13 +163,12 @@ def bench_scores(fp8: bool = False) -> dict:
 SELECT_ROWS, SELECT_K, SELECT_CAP = 128, 128, 7  # 128 x 32K, K = 128, f = 0.05
 
 
-def bench_select(select=None) -> dict:
+def bench_select() -> dict:
     """``select_blocks`` (top-K, hits, capped admissions; one layer) at SELECT_ROWS rows x
-    SCORE_BLOCKS blocks x 8 kv heads, half the slots filled, for each ``num_warps``; ``select``:
-    another implementation with the same signature (default the engine's). The timed graph restores
-    the scores (the kernel's scratch) before each call; that copy is timed alone and subtracted."""
+    SCORE_BLOCKS blocks x 8 kv heads, half the slots filled, for each ``num_warps``. The timed graph
+    restores the scores (the kernel's scratch) before each call; that copy is timed alone and
+    subtracted."""
     from oasiskv.kernels.select_blocks import select_blocks
-    select = select or select_blocks
     dev = torch.device("cuda")
     n, m, k, cap = SELECT_ROWS, SCORE_BLOCKS, SELECT_K, SELECT_CAP
     gen = torch.Generator(dev).manual_seed(0)
@@ -187,7 +186,7 @@ def bench_select(select=None) -> dict:
           f"on {torch.cuda.get_device_name()} (score restore {copy_ms:.4f} ms, subtracted)")
     rows = []
     for warps in (1, 2, 4, 8):
-        ms = _graph_median_ms(lambda: (scores.copy_(pristine), select(
+        ms = _graph_median_ms(lambda: (scores.copy_(pristine), select_blocks(
             scores, ws_map, ws_last, slots, tables, k, cap, now, counters,
             num_warps=warps))) - copy_ms
         rows.append({"num_warps": warps, "ms": ms})

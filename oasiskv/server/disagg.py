@@ -799,7 +799,8 @@ class DecodeRouter:
         while True:
             await asyncio.sleep(1.0)
             try:  # (blocks no request took: their leases are not renewed for nothing)
-                await self.bridge.call(lambda: self.cache.drop_unused(IMPORT_GRACE_S))
+                if self.leases.held:  # (else no lease is renewed: nothing to let go of)
+                    await self.bridge.call(lambda: self.cache.drop_unused(IMPORT_GRACE_S))
             except APIError:  # shutting down
                 return
             except Exception:  # noqa: BLE001 (the loop must go on)
