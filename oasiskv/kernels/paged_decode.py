@@ -24,7 +24,8 @@ _LOG2E = 1.4426950408889634
 # the sparse kernel): 64-token tiles, 2 stages. FP8 paged decode loads each tile's block ids and
 # scales one iteration ahead (INDEX_AHEAD), which lets 3 stages pipeline: 128-token tiles, 3
 # stages, 2.5% faster at 46 x 32K and 8% at 128 x 32K than 64 / 2 without (docs/benchmarks.md §15;
-# the same loading order costs 16-bit caches 3-5%).
+# the same loading order costs 16-bit caches 3-5%; with whole tiles and fp16 P.V, 128 / 4 / 3 is
+# still the fastest of the sweep in §17).
 _LAUNCH = (64, 4, 2)
 _LAUNCH_FP8_PAGED = (128, 4, 3)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
@@ -98,11 +99,11 @@ def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.c
     """One tile of online softmax in the log2 domain: scores ``q @ kt`` times each key's
     dequantization scale ``k_scale`` ``[TILE]`` (``[BLOCK_G, TILE]``, -inf where not ``valid``) ->
     (p, alpha, m_new, l_new), ``l_i`` the denominator state of ``_zero_denominator``; the caller
-    rescales its accumulator by alpha and adds ``_pv(p, v_scale, v)``. While no valid token
-    has been seen (m_new = -inf) exp2 is kept away from NaN. FP8_DOT: ``q`` is ``_fp16_query``'s
-    fp16 copy, ``qk_scale`` divided by its shift, and ``kt`` FP8: the dot runs on fp16 inputs (the
-    FP8 values convert exactly with one instruction per pair, the products are exact in the fp32
-    accumulator); else ``q`` is float32 and the dot runs at DOT_PRECISION."""
+    rescales its accumulator by alpha and adds the weighted values (``_accumulate``). While no
+    valid token has been seen (m_new = -inf) exp2 is kept away from NaN. FP8_DOT: ``q`` is
+    ``_fp16_query``'s fp16 copy, ``qk_scale`` divided by its shift, and ``kt`` FP8: the dot runs on
+    fp16 inputs (the FP8 values convert exactly with one instruction per pair, the products are
+    exact in the fp32 accumulator); else ``q`` is float32 and the dot runs at DOT_PRECISION."""
     if FP8_DOT:
         s = tl.dot(q, kt.to(tl.float16))
     else:
@@ -133,24 +134,77 @@ def _fp16_query(q):
 
 
 @triton.jit
-def _pv(p, v_scale, v, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
-        INTERPRETED: tl.constexpr):
-    """``(p * v_scale) @ v``: float32 ``[BLOCK_G, HEAD_DIM]`` for softmax weights ``p``
+def _accumulate(acc, acc_norm, alpha, p, v_scale, v, DOT_PRECISION: tl.constexpr,
+                QUANT: tl.constexpr, FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc * alpha + (p * v_scale) @ v`` -> (acc, acc_norm): float32 ``[BLOCK_G, HEAD_DIM]`` for
+    the running accumulator ``acc``, its rescale ``alpha`` ``[BLOCK_G]``, softmax weights ``p``
     ``[BLOCK_G, TILE]``, value rows ``v`` ``[TILE, HEAD_DIM]`` and their dequantization scales
     ``[TILE]`` (used when QUANT). The scales go into the weights (``BLOCK_G`` rows, not the
-    ``TILE x HEAD_DIM`` values). FP8_DOT: the dot runs on bf16 inputs: the FP8 values convert
-    exactly and the scaled weights keep bf16's 8 significant bits over float32's range (so no
-    value row, however small or large against the others, leaves it); else in float32 at
-    DOT_PRECISION. INTERPRETED (Triton's CPU interpreter, which multiplies bf16 dot inputs as their
-    raw 16-bit integers): the same bf16 values widened to float32, whose products and sums match."""
+    ``TILE x HEAD_DIM`` values).
+
+    FP8_DOT: the dot runs on fp16 inputs, e4m3 values converted exactly (one instruction per pair;
+    bf16 takes three) and the weights scaled by ``v_scale`` over the tile's largest, so they stay
+    in [0, 1] whatever the rows' magnitudes: 11 significant bits; a weight below fp16's normal
+    range (6e-5 of the tile's largest scale) loses bits, as a contribution under 1e-7 of that
+    row's would. The accumulator is then in units of ``acc_norm`` (that largest scale; rescaled
+    with ``alpha`` when the next tile's differs; ``_true_acc`` multiplies it back). Else the dot
+    runs in float32 at DOT_PRECISION and ``acc_norm`` is unused. INTERPRETED (Triton's CPU
+    interpreter, whose dots on 16-bit inputs are not the GPU's): the same fp16 values widened to
+    float32, whose products and sums match."""
+    if FP8_DOT:
+        norm = tl.max(v_scale, 0)
+        norm = tl.where(norm > 0, norm, 1.0)
+        w = (p * (v_scale / norm)[None, :]).to(tl.float16)
+        v16 = v.to(tl.float16)
+        acc = acc * (alpha * (acc_norm / norm))[:, None]
+        if INTERPRETED:
+            acc += tl.dot(w.to(tl.float32), v16.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(w, v16, acc)
+        return acc, norm
     if QUANT:
         p = p * v_scale[None, :]
+    return acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION), \
+        acc_norm
+
+
+@triton.jit
+def _true_acc(acc, acc_norm, FP8_DOT: tl.constexpr):
+    """``_accumulate``'s accumulator in true scale."""
     if FP8_DOT:
-        p16, v16 = p.to(tl.bfloat16), v.to(tl.bfloat16)
-        if INTERPRETED:
-            return tl.dot(p16.to(tl.float32), v16.to(tl.float32), input_precision="ieee")
-        return tl.dot(p16, v16)
-    return tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        acc = acc * acc_norm
+    return acc
+
+
+@triton.jit
+def _load_tile(kt_ptrs, v_ptrs, valid, MASKED: tl.constexpr):
+    """(keys ``[HEAD_DIM, TILE]``, values ``[TILE, HEAD_DIM]``) of one tile; MASKED: the tokens not
+    ``valid`` load as 0 (else all are read)."""
+    if MASKED:
+        kt = tl.load(kt_ptrs, mask=valid[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        kt = tl.load(kt_ptrs)
+        v = tl.load(v_ptrs)
+    return kt, v
+
+
+@triton.jit
+def _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm, m_i, l_i, qk_scale,
+                 DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
+                 INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of online softmax attention: keys ``kt`` ``[HEAD_DIM, TILE]`` and values ``v``
+    ``[TILE, HEAD_DIM]`` (with their scales, ``_softmax_tile`` and ``_accumulate``) update the
+    running ``acc``, ``acc_norm``, ``m_i`` and ``l_i``; returns them. MASKED: the tokens not
+    ``valid`` get no weight (else every token of the tile is read, which spares the masks their
+    registers and instructions)."""
+    if not MASKED:
+        valid = tl.full(k_scale.shape, 1, tl.int1)
+    p, alpha, m_new, l_new = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
+                                           DOT_PRECISION, FP8_DOT)
+    acc, acc_norm = _accumulate(acc, acc_norm, alpha, p, v_scale, v, DOT_PRECISION, QUANT,
+                                FP8_DOT, INTERPRETED)
+    return acc, acc_norm, m_new, l_new
 
 
 @triton.jit
@@ -225,37 +279,48 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    # INDEX_AHEAD (FP8): a tile's block ids and scales are loaded one iteration ahead, so the K/V
-    # loads (the pipelined ones) never wait on the block table or the small scale loads.
+    acc_norm = 1.0
+    # INDEX_AHEAD (FP8 caches): a tile's block ids and scales are loaded one iteration ahead, so the
+    # K/V loads (the pipelined ones) never wait on the block table or the small scale loads; and
+    # every tile but the split's last is whole (all its tokens exist and are read), so the loop
+    # loads and weighs them without masks, and the last one (the row's partly written last block,
+    # blocks past the split's end), loaded ahead by the loop's last iteration, follows it, masked
+    # token by token. Else every tile is masked in the loop (16-bit caches: either change costs
+    # their pipelined loop more than it saves).
     head_offset = kv_head * stride_sh
     block_id, valid, k_scale, v_scale = _tile_index(
         bt_row, k_scale_ptr, v_scale_ptr, blk_start, blk_end, ctx_len, tile_blk, tile_off,
         head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
-    for blk0 in range(blk_start, blk_end, BLOCKS_PER_ITER):
+    last_tile = blk_start + tl.maximum(tl.cdiv(blk_end - blk_start, BLOCKS_PER_ITER) - 1, 0) \
+        * BLOCKS_PER_ITER
+    for blk0 in range(blk_start, last_tile if INDEX_AHEAD else blk_end, BLOCKS_PER_ITER):
         if not INDEX_AHEAD:
             block_id, valid, k_scale, v_scale = _tile_index(
                 bt_row, k_scale_ptr, v_scale_ptr, blk0, blk_end, ctx_len, tile_blk, tile_off,
                 head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
         block_base = block_id * stride_cb
-        kt = tl.load(k_cache_ptr + block_base[None, :] + kt_in_block, mask=valid[None, :],
-                     other=0.0)
-        v = tl.load(v_cache_ptr + block_base[:, None] + v_in_block, mask=valid[:, None],
-                    other=0.0)
+        kt, v = _load_tile(k_cache_ptr + block_base[None, :] + kt_in_block,
+                           v_cache_ptr + block_base[:, None] + v_in_block, valid, not INDEX_AHEAD)
         if INDEX_AHEAD:
             next_id, next_valid, next_k_scale, next_v_scale = _tile_index(
                 bt_row, k_scale_ptr, v_scale_ptr, blk0 + BLOCKS_PER_ITER, blk_end, ctx_len,
                 tile_blk, tile_off, head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
-        p, alpha, m_new, l_i = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
-                                             DOT_PRECISION, FP8_DOT)
-        acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT,
-                                         INTERPRETED)
-        m_i = m_new
+        acc, acc_norm, m_i, l_i = _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm,
+                                               m_i, l_i, qk_scale, DOT_PRECISION, QUANT, FP8_DOT,
+                                               INTERPRETED, not INDEX_AHEAD)
         if INDEX_AHEAD:
             block_id, valid, k_scale, v_scale = next_id, next_valid, next_k_scale, next_v_scale
+    if INDEX_AHEAD and blk_start < blk_end:
+        block_base = block_id * stride_cb
+        kt, v = _load_tile(k_cache_ptr + block_base[None, :] + kt_in_block,
+                           v_cache_ptr + block_base[:, None] + v_in_block, valid, True)
+        acc, acc_norm, m_i, l_i = _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm,
+                                               m_i, l_i, qk_scale, DOT_PRECISION, QUANT, FP8_DOT,
+                                               INTERPRETED, True)
 
-    _store_split(acc, m_i, _row_denominator(l_i, FP8_DOT), out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
-                 rows, split, num_splits, tl.num_programs(1) * G, q_heads, g_mask, offs_d,
-                 stride_ob, stride_oh, HEAD_DIM, DIRECT)
+    _store_split(_true_acc(acc, acc_norm, FP8_DOT), m_i, _row_denominator(l_i, FP8_DOT), out_ptr,
+                 m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits, tl.num_programs(1) * G,
+                 q_heads, g_mask, offs_d, stride_ob, stride_oh, HEAD_DIM, DIRECT)
 
 
 @triton.jit
@@ -287,7 +352,8 @@ def _decode_reduce_kernel(
 
 
 def fp8_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether decode over ``cache`` runs its dots on 16-bit inputs (``_softmax_tile``, ``_pv``): an
+    """Whether decode over ``cache`` runs its dots on 16-bit inputs (``_softmax_tile``,
+    ``_accumulate``): an
     FP8 cache read by 16-bit queries. A float32 query keeps the float32 dots (the exact path)."""
     return cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16)
 

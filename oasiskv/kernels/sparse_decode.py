@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.fp8 import check_scales
-from oasiskv.kernels.paged_decode import (_load_q, _load_scales, _pv, _row_denominator,
-                                          _softmax_tile, _fp16_query, _store_split, _wave_size,
-                                          _zero_denominator,
+from oasiskv.kernels.paged_decode import (_accumulate, _load_q, _load_scales, _row_denominator,
+                                          _softmax_tile, _fp16_query, _store_split, _true_acc,
+                                          _wave_size, _zero_denominator,
                                           default_num_splits, fp8_dot, launch_config, merge_splits,
                                           split_workspace)
 
@@ -120,6 +120,7 @@ def _sparse_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc_norm = 1.0
     for slot0 in range(slot_start, slot_end, SLOTS_PER_ITER):
         slot = slot0 + tile_slot
         valid = _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off)
@@ -135,10 +136,11 @@ def _sparse_split_kernel(
         v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None],
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
-        acc = acc * alpha[:, None] + _pv(p, v_scale, v, DOT_PRECISION, QUANT, FP8_DOT,
-                                         INTERPRETED)
+        acc, acc_norm = _accumulate(acc, acc_norm, alpha, p, v_scale, v, DOT_PRECISION, QUANT,
+                                    FP8_DOT, INTERPRETED)
         m_i = m_new
     l_i = _row_denominator(l_i, FP8_DOT)
+    acc = _true_acc(acc, acc_norm, FP8_DOT)
 
     # the draft's own key and value, once: in the split that holds the local slot
     if HAS_DRAFT:
