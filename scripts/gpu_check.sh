@@ -22,8 +22,10 @@ KV_DTYPE=${KV_DTYPE:-auto}  # --kv-cache-dtype of oasis-real, oasis-emulated and
 SUMMARY_DTYPE=${SUMMARY_DTYPE:-auto}  # --summary-dtype of oasis-emulated and profile-oasis
 REAL_LENS=${REAL_LENS:-16384,32768}  # oasis-real: context lengths, and REAL_MODES (default: dense sync ngram)
 bench() {  # name, then bench flags: BENCH_MODEL (Qwen3-8B shape), random weights; table to the log
+  # (-P: the package comes from PYTHONPATH, which compare points at .before/, not from the working
+  # directory that `python -m` would put first)
   local name=$1; shift
-  python3 -m oasiskv.cli --log-level WARNING bench "${BENCH_MODEL:-qwen3-8b}" --max-num-seqs 256 "$@" 2>&1 \
+  python3 -P -m oasiskv.cli --log-level WARNING bench "${BENCH_MODEL:-qwen3-8b}" --max-num-seqs 256 "$@" 2>&1 \
     | tee "$OUT/$name.log" | grep -v '^{' | tail -8
   summary+=("$name: $(grep -E '^(oasis|oasiskv)' "$OUT/$name.log" | awk '{print $1, $2, $3, $5, $6, $7, $11, $12}' | tr '\n' '|')")
 }
@@ -70,14 +72,15 @@ for stage in $stages; do
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
           --prefetch "$prefetch" --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE"
       done ;;
-    compare)  # before/after a change: dense 32K x max and the emulated-host point (EMU_CONC x 32K, ngram,
-      # async, KV_DTYPE, SUMMARY_DTYPE), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C
+    compare)  # before/after a change: dense 32K x max (KV_DTYPE) and the emulated-host point (EMU_CONC x
+      # 32K, ngram, async, KV_DTYPE, SUMMARY_DTYPE), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C
       # .before`) and this one, interleaved so both see the same machine; COMPARE_RUNS narrows it
       for run in ${COMPARE_RUNS:-before-dense after-dense before-emulated after-emulated}; do
         tree=$PWD; [ "${run%%-*}" = before ] && tree=$PWD/.before
         export PYTHONPATH=$tree
         if [ "${run#*-}" = dense ]; then
-          bench "$run" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 64
+          bench "$run" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 64 \
+            --kv-cache-dtype "$KV_DTYPE"
         else
           bench "$run" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 --max-num-seqs 128 \
             --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram --prefetch async \
