@@ -87,6 +87,30 @@ def test_paged_decode_fp8_equals_reference_and_dequantized_dense(lens, group):
     assert (got - plain).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("q_dtype,split", [
+    (torch.float32, {}), (torch.bfloat16, {}), (torch.bfloat16, dict(num_splits=3)),
+    (torch.bfloat16, dict(blocks_per_split=3)), (torch.bfloat16, dict(blocks_per_split=10))],
+    ids=["fp32", "bf16", "bf16-3-splits", "bf16-3-blocks", "bf16-10-blocks"])
+def test_paged_decode_fp8_over_many_tiles(q_dtype, split):
+    """Contexts of several 128-token tiles: the tiles before a split's last are read unmasked and
+    the last one masked (a partly written block, NaN past its end; splits of whole tiles, of fewer
+    blocks than a tile, and of a tile and a part), equal to the reference."""
+    q, k_cache, v_cache, tables, ctx = _case([300, 129, 0, 17, 256], num_kv_heads=2, group=2,
+                                             head_dim=32, block_size=16, dtype=torch.float32,
+                                             seed=21)
+    (kq, ks), (vq, vs) = quantized(k_cache), quantized(v_cache)
+    q = q.to(q_dtype)
+    scale = 1 / math.sqrt(32)
+    got = paged_decode_attention(q, kq, vq, tables, ctx, scale, out=torch.full_like(q, NAN),
+                                 scales=(ks, vs), **split)
+    ref = paged_decode_ref(q.float(), kq, vq, tables, ctx, scale, scales=(ks, vs))
+    assert got.isfinite().all()
+    if q_dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    else:
+        _close_per_head(got, ref, 4e-3)
+
+
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_sparse_decode_fp8_equals_reference(with_draft):
     q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
