@@ -238,7 +238,7 @@ class SparseBackend(AttentionBackend):
                     # what this step computed for it may have read missing bytes: no prefix
                     # cache entry of it may outlive it (blocks a remote tier holds are sound)
                     self.allocator.forget(b for b in seq.block_table
-                                          if b not in self.kv.host.where)
+                                          if not self.kv.host.located(b))
         lay = self.kv.layout
         counters, per_layer = self.kv.counters.read()
         counters["stall_seconds"] = counters.pop("stall_ns") / 1e9

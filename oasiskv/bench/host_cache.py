@@ -45,7 +45,7 @@ class StoreTier:
         if source in self.down:
             raise ConnectionError(f"{source} is gone")
         a, b = self.src, self.dst
-        for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
+        for x, y in zip(a.tensors(), b.tensors()):
             for src, row, layer in zip(a.rows_of(remote_blocks), rows, layers):
                 if layer < 0:
                     y[row] = x[src]
@@ -60,7 +60,7 @@ def copy_blocks(src: KVExchange, dst: KVExchange, src_blocks: list[int],
     """What a NIXL read does: whole host blocks (K, V, FP8 scales) from one store into another."""
     a, b = src.kv.host, dst.kv.host
     rows = torch.tensor(b.rows_of(dst_blocks), dtype=torch.long)
-    for x, y in zip([a.k, a.v, *(a.scales or ())], [b.k, b.v, *(b.scales or ())]):
+    for x, y in zip(a.tensors(), b.tensors()):
         y[rows] = x[torch.tensor(a.rows_of(src_blocks), dtype=torch.long)]
 
 

@@ -262,6 +262,10 @@ class HostCache(HostStore):
                 self._valid[b] |= self._full if layer < 0 else 1 << layer
         self.flush()
 
+    def located(self, block: int) -> bool:
+        """Whether a remote tier holds ``block`` (``locate``; until its last reference goes)."""
+        return block in self.where
+
     def take_failed(self) -> dict[int, str]:
         """The blocks whose reads failed since the last call, with why."""
         failed, self.failed = self.failed, {}

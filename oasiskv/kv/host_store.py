@@ -42,13 +42,18 @@ class HostStore:
             gib = num_blocks * layout.host_block_bytes / 2**30
             raise RuntimeError(f"cannot allocate the host store ({gib:.1f} GiB, --host-kv-gib) in "
                                f"this machine's memory: lower --host-kv-gib") from None
-        tensors = [self.k, self.v, *(self.scales or ())]
+        tensors = self.tensors()
         if pin:
             for t in tensors:
                 _page_lock(self, t)
         logger.info("host store: %d blocks, %.2f GiB (%s)%s", num_blocks,
                     sum(t.numel() * t.element_size() for t in tensors) / 2**30,
                     str(layout.storage_dtype).removeprefix("torch."), " pinned" if pin else "")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """K, V, then the FP8 scales (K, V) when present: every tensor a block's bytes live in,
+        each ``[num_blocks, num_layers, ...]`` (a remote tier's descriptors keep this order)."""
+        return [self.k, self.v, *(self.scales or ())]
 
     def physical_blocks(self, ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """Host block ids (negative = none) -> rows of ``k``/``v``, whose bytes at ``layer``
@@ -72,6 +77,11 @@ class HostStore:
         """The blocks whose bytes could not be had since the last call, with why (none
         here)."""
         return {}
+
+    def located(self, block: int) -> bool:
+        """Whether another tier holds ``block``'s bytes, so that they stay sound whatever was
+        read here (none does here)."""
+        return False
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views ``[num_blocks, Hk, B]`` of one layer's K and V row scales (FP8), else None."""

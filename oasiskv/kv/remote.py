@@ -67,11 +67,6 @@ def _nixl():
     return nixl_agent, nixl_agent_config
 
 
-def _regions(store: HostStore) -> list[torch.Tensor]:
-    """The store's tensors in descriptor order: K, V, then the FP8 scales (K, V) when present."""
-    return [store.k, store.v, *(store.scales or ())]
-
-
 def _unit_bytes(t: torch.Tensor, whole: bool) -> int:
     """Bytes of one unit of region ``t`` ``[blocks, L, ...]``: one block at one layer, or a whole
     block."""
@@ -92,12 +87,12 @@ class RemoteStore:
         nixl_agent, nixl_agent_config = _nixl()
         self.store, self.name = store, name
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self._registered = self.agent.register_memory(_regions(store))
+        self._registered = self.agent.register_memory(store.tensors())
 
     def descriptor(self) -> bytes:
         """What a ``RemoteReader.connect`` needs: JSON bytes (data only, safe to take from any
         channel), the agent's metadata base64."""
-        regions = _regions(self.store)
+        regions = self.store.tensors()
         return json.dumps({"metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
                            "name": self.name, "addrs": [t.data_ptr() for t in regions],
                            "shape": list(self.store.k.shape),
@@ -186,7 +181,7 @@ class RemoteReader:
         nixl_agent, nixl_agent_config = _nixl()
         self.local, self.name, self.timeout_s = local, name, timeout_s
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self._registered = self.agent.register_memory(_regions(local))
+        self._registered = self.agent.register_memory(local.tensors())
         self.peers: dict[str, _Peer] = {}
         self.stats = ReadStats()
 
@@ -204,9 +199,9 @@ class RemoteReader:
                 d["dtype"] != str(self.local.k.dtype)):
             raise ValueError(f"peer {d['name']} stores {d['dtype']} {tuple(d['shape'])}, this "
                              f"reader {self.local.k.dtype} {tuple(self.local.k.shape)}")
-        if len(addrs) != len(_regions(self.local)):
+        if len(addrs) != len(self.local.tensors()):
             raise ValueError(f"peer {d.get('name')} has {len(addrs)} regions, this reader "
-                             f"{len(_regions(self.local))} (FP8 scales on one side only?)")
+                             f"{len(self.local.tensors())} (FP8 scales on one side only?)")
         if d.get("name") in self.peers:
             return d["name"]
         name = self.agent.add_remote_agent(metadata)
@@ -237,7 +232,7 @@ class RemoteReader:
             raise ValueError("layer past the last")
         whole = layers < 0
         local, remote, nbytes = [], [], 0
-        for t, base in zip(_regions(self.local), info.addrs):
+        for t, base in zip(self.local.tensors(), info.addrs):
             block, per_layer = _unit_bytes(t, True), _unit_bytes(t, False)
             size = np.where(whole, block, per_layer).astype(np.uint64)
             offset = np.where(whole, 0, layers * per_layer).astype(np.uint64)
