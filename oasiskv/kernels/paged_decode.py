@@ -19,6 +19,9 @@ import triton.language as tl
 from oasiskv.kernels.fp8 import FP8, check_scales
 
 _LOG2E = 1.4426950408889634
+#: FP8 P.V (``_accumulate``): a tile's value-scale unit is at least this share of the largest scale
+#: seen
+_NORM_FLOOR = tl.constexpr(2.0 ** -40)
 # Launch config: (KV tokens per inner-loop iteration (several blocks per tile when block_size is
 # small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16). 16-bit caches (and
 # the sparse kernel): 64-token tiles, 2 stages. FP8 paged decode loads each tile's block ids and
@@ -134,10 +137,11 @@ def _fp16_query(q):
 
 
 @triton.jit
-def _accumulate(acc, acc_norm, alpha, p, v_scale, v, DOT_PRECISION: tl.constexpr,
+def _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v, DOT_PRECISION: tl.constexpr,
                 QUANT: tl.constexpr, FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``acc * alpha + (p * v_scale) @ v`` -> (acc, acc_norm): float32 ``[BLOCK_G, HEAD_DIM]`` for
-    the running accumulator ``acc``, its rescale ``alpha`` ``[BLOCK_G]``, softmax weights ``p``
+    """``acc * alpha + (p * v_scale) @ v`` -> (acc, acc_norm, v_max): float32
+    ``[BLOCK_G, HEAD_DIM]`` for the running accumulator ``acc``, its rescale ``alpha``
+    ``[BLOCK_G]``, softmax weights ``p``
     ``[BLOCK_G, TILE]``, value rows ``v`` ``[TILE, HEAD_DIM]`` and their dequantization scales
     ``[TILE]`` (used when QUANT). The scales go into the weights (``BLOCK_G`` rows, not the
     ``TILE x HEAD_DIM`` values).
@@ -147,13 +151,18 @@ def _accumulate(acc, acc_norm, alpha, p, v_scale, v, DOT_PRECISION: tl.constexpr
     in [0, 1] whatever the rows' magnitudes: 11 significant bits; a weight below fp16's normal
     range (6e-5 of the tile's largest scale) loses bits, as a contribution under 1e-7 of that
     row's would. The accumulator is then in units of ``acc_norm`` (that largest scale; rescaled
-    with ``alpha`` when the next tile's differs; ``_true_acc`` multiplies it back). Else the dot
-    runs in float32 at DOT_PRECISION and ``acc_norm`` is unused. INTERPRETED (Triton's CPU
+    with ``alpha`` when the next tile's differs; ``_true_acc`` multiplies it back). The unit never
+    falls below _NORM_FLOOR of ``v_max``, the largest scale seen (a tile of all-zero rows has
+    scales of ~1e-33): the accumulator stays under 2**69 (2**20 tokens x 448 x 2**40) in any
+    unit, where a unit that small would overflow it. Else the dot runs in float32 at
+    DOT_PRECISION and ``acc_norm``, ``v_max`` are unused. INTERPRETED (Triton's CPU
     interpreter, whose dots on 16-bit inputs are not the GPU's): the same fp16 values widened to
     float32, whose products and sums match."""
     if FP8_DOT:
-        norm = tl.max(v_scale, 0)
-        norm = tl.where(norm > 0, norm, 1.0)
+        tile_max = tl.max(v_scale, 0)
+        v_max = tl.maximum(v_max, tile_max)
+        norm = tl.maximum(tile_max, v_max * _NORM_FLOOR)
+        norm = tl.where(norm > 0, norm, acc_norm)  # (nothing seen yet: the unit stays)
         w = (p * (v_scale / norm)[None, :]).to(tl.float16)
         v16 = v.to(tl.float16)
         acc = acc * (alpha * (acc_norm / norm))[:, None]
@@ -161,11 +170,11 @@ def _accumulate(acc, acc_norm, alpha, p, v_scale, v, DOT_PRECISION: tl.constexpr
             acc += tl.dot(w.to(tl.float32), v16.to(tl.float32), input_precision="ieee")
         else:
             acc = tl.dot(w, v16, acc)
-        return acc, norm
+        return acc, norm, v_max
     if QUANT:
         p = p * v_scale[None, :]
     return acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION), \
-        acc_norm
+        acc_norm, v_max
 
 
 @triton.jit
@@ -190,21 +199,21 @@ def _load_tile(kt_ptrs, v_ptrs, valid, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm, m_i, l_i, qk_scale,
+def _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
                  DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
                  INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
     """One tile of online softmax attention: keys ``kt`` ``[HEAD_DIM, TILE]`` and values ``v``
     ``[TILE, HEAD_DIM]`` (with their scales, ``_softmax_tile`` and ``_accumulate``) update the
-    running ``acc``, ``acc_norm``, ``m_i`` and ``l_i``; returns them. MASKED: the tokens not
-    ``valid`` get no weight (else every token of the tile is read, which spares the masks their
-    registers and instructions)."""
+    running ``acc``, ``acc_norm``, ``v_max``, ``m_i`` and ``l_i``; returns them. MASKED: the
+    tokens not ``valid`` get no weight (else every token of the tile is read, which spares the
+    masks their registers and instructions)."""
     if not MASKED:
         valid = tl.full(k_scale.shape, 1, tl.int1)
     p, alpha, m_new, l_new = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
                                            DOT_PRECISION, FP8_DOT)
-    acc, acc_norm = _accumulate(acc, acc_norm, alpha, p, v_scale, v, DOT_PRECISION, QUANT,
-                                FP8_DOT, INTERPRETED)
-    return acc, acc_norm, m_new, l_new
+    acc, acc_norm, v_max = _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v, DOT_PRECISION,
+                                       QUANT, FP8_DOT, INTERPRETED)
+    return acc, acc_norm, v_max, m_new, l_new
 
 
 @triton.jit
@@ -279,7 +288,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    acc_norm = 1.0
+    acc_norm, v_max = 1.0, 0.0
     # INDEX_AHEAD (FP8 caches): a tile's block ids and scales are loaded one iteration ahead, so the
     # K/V loads (the pipelined ones) never wait on the block table or the small scale loads; and
     # every tile but the split's last is whole (all its tokens exist and are read), so the loop
@@ -305,18 +314,18 @@ def _decode_split_kernel(
             next_id, next_valid, next_k_scale, next_v_scale = _tile_index(
                 bt_row, k_scale_ptr, v_scale_ptr, blk0 + BLOCKS_PER_ITER, blk_end, ctx_len,
                 tile_blk, tile_off, head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
-        acc, acc_norm, m_i, l_i = _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm,
-                                               m_i, l_i, qk_scale, DOT_PRECISION, QUANT, FP8_DOT,
-                                               INTERPRETED, not INDEX_AHEAD)
+        acc, acc_norm, v_max, m_i, l_i = _attend_tile(
+            q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
+            DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, not INDEX_AHEAD)
         if INDEX_AHEAD:
             block_id, valid, k_scale, v_scale = next_id, next_valid, next_k_scale, next_v_scale
     if INDEX_AHEAD and blk_start < blk_end:
         block_base = block_id * stride_cb
         kt, v = _load_tile(k_cache_ptr + block_base[None, :] + kt_in_block,
                            v_cache_ptr + block_base[:, None] + v_in_block, valid, True)
-        acc, acc_norm, m_i, l_i = _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm,
-                                               m_i, l_i, qk_scale, DOT_PRECISION, QUANT, FP8_DOT,
-                                               INTERPRETED, True)
+        acc, acc_norm, v_max, m_i, l_i = _attend_tile(
+            q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
+            DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, True)
 
     _store_split(_true_acc(acc, acc_norm, FP8_DOT), m_i, _row_denominator(l_i, FP8_DOT), out_ptr,
                  m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits, tl.num_programs(1) * G,

@@ -120,7 +120,7 @@ def _sparse_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    acc_norm = 1.0
+    acc_norm, v_max = 1.0, 0.0
     for slot0 in range(slot_start, slot_end, SLOTS_PER_ITER):
         slot = slot0 + tile_slot
         valid = _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off)
@@ -136,8 +136,8 @@ def _sparse_split_kernel(
         v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None],
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
-        acc, acc_norm = _accumulate(acc, acc_norm, alpha, p, v_scale, v, DOT_PRECISION, QUANT,
-                                    FP8_DOT, INTERPRETED)
+        acc, acc_norm, v_max = _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v,
+                                           DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED)
         m_i = m_new
     l_i = _row_denominator(l_i, FP8_DOT)
     acc = _true_acc(acc, acc_norm, FP8_DOT)

@@ -111,6 +111,24 @@ def test_paged_decode_fp8_over_many_tiles(q_dtype, split):
         _close_per_head(got, ref, 4e-3)
 
 
+def test_paged_decode_fp8_ending_on_a_tile_of_zero_value_rows():
+    """A 16-bit query over long rows of large values whose last tile holds only zero rows (their
+    scales are ~1e-33): the fp16 P.V keeps its accumulator's unit within 2**-40 of the largest
+    scale seen, so the sum does not overflow when the unit drops to that tile's."""
+    q, k_cache, v_cache, tables, ctx = _case([2053, 2053], num_kv_heads=1, group=2, head_dim=32,
+                                             block_size=16, dtype=torch.float32, seed=23)
+    v_cache = v_cache + 1000  # (same sign: the sum grows with the tokens)
+    for row in range(2):  # the last block holds tokens 2048..2052: zero value rows
+        v_cache[tables[row, 128], :, :5] = 0
+    (kq, ks), (vq, vs) = quantized(k_cache), quantized(v_cache)
+    q = (q * 0.01).to(torch.bfloat16)  # flat attention: the sum is ~ tokens x 1000
+    scale = 1 / math.sqrt(32)
+    got = paged_decode_attention(q, kq, vq, tables, ctx, scale, num_splits=1, scales=(ks, vs))
+    ref = paged_decode_ref(q.float(), kq, vq, tables, ctx, scale, scales=(ks, vs))
+    assert got.isfinite().all()
+    _close_per_head(got, ref, 4e-3)
+
+
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_sparse_decode_fp8_equals_reference(with_draft):
     q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
