@@ -141,17 +141,16 @@ def _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v, DOT_PRECISION: tl.co
                 QUANT: tl.constexpr, FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
     """``acc * alpha + (p * v_scale) @ v`` -> (acc, acc_norm, v_max): float32
     ``[BLOCK_G, HEAD_DIM]`` for the running accumulator ``acc``, its rescale ``alpha``
-    ``[BLOCK_G]``, softmax weights ``p``
-    ``[BLOCK_G, TILE]``, value rows ``v`` ``[TILE, HEAD_DIM]`` and their dequantization scales
-    ``[TILE]`` (used when QUANT). The scales go into the weights (``BLOCK_G`` rows, not the
-    ``TILE x HEAD_DIM`` values).
+    ``[BLOCK_G]``, softmax weights ``p`` ``[BLOCK_G, TILE]``, value rows ``v``
+    ``[TILE, HEAD_DIM]`` and their dequantization scales ``[TILE]`` (used when QUANT). The scales
+    go into the weights (``BLOCK_G`` rows, not the ``TILE x HEAD_DIM`` values).
 
     FP8_DOT: the dot runs on fp16 inputs, e4m3 values converted exactly (one instruction per pair;
-    bf16 takes three) and the weights scaled by ``v_scale`` over the tile's largest, so they stay
-    in [0, 1] whatever the rows' magnitudes: 11 significant bits; a weight below fp16's normal
-    range (6e-5 of the tile's largest scale) loses bits, as a contribution under 1e-7 of that
-    row's would. The accumulator is then in units of ``acc_norm`` (that largest scale; rescaled
-    with ``alpha`` when the next tile's differs; ``_true_acc`` multiplies it back). The unit never
+    bf16 takes three) and the weights scaled by ``v_scale`` over the tile's unit (its largest
+    scale), so they stay in [0, 1] whatever the rows' magnitudes: 11 significant bits; a weight
+    below fp16's normal range (6e-5 of the unit) loses bits, as a contribution under 1e-7 of the
+    tile's largest row would. The accumulator is then in that unit, ``acc_norm`` (rescaled with
+    ``alpha`` when the next tile's differs; ``_true_acc`` multiplies it back). The unit never
     falls below _NORM_FLOOR of ``v_max``, the largest scale seen (a tile of all-zero rows has
     scales of ~1e-33): the accumulator stays under 2**69 (2**20 tokens x 448 x 2**40) in any
     unit, where a unit that small would overflow it. Else the dot runs in float32 at
