@@ -48,10 +48,13 @@ class TieredAllocator(BlockManager):
         self.refused = {"host_blocks": 0, "working_set_slots": 0}
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        blocks = super().can_allocate(seq, num_new_tokens) and (
-            self.host is None or self.host.can_take(self.blocks_to_add(seq, num_new_tokens)))
-        fits = blocks and (seq.seq_id in self.slot_of or bool(self.free_slots))
-        if not fits and seq.seq_id not in self.slot_of:  # a new sequence refused: by which budget
+        n = self.blocks_to_add(seq, num_new_tokens)
+        has_slot = seq.seq_id in self.slot_of
+        if not n and has_slot:  # (most decode steps: a running sequence that starts no block)
+            return True
+        blocks = n <= len(self.free_blocks) and (self.host is None or self.host.can_take(n))
+        fits = blocks and (has_slot or bool(self.free_slots))
+        if not fits and not has_slot:  # a new sequence refused: by which budget
             self.refused["working_set_slots" if blocks else "host_blocks"] += 1
         return fits
 
