@@ -361,8 +361,8 @@ def _decode_reduce_kernel(
 
 def fp8_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether decode over ``cache`` runs its dots on 16-bit inputs (``_softmax_tile``,
-    ``_accumulate``): an
-    FP8 cache read by 16-bit queries. A float32 query keeps the float32 dots (the exact path)."""
+    ``_accumulate``): an FP8 cache read by 16-bit queries. A float32 query keeps the float32 dots
+    (the exact path)."""
     return cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16)
 
 
