@@ -203,9 +203,9 @@ class TierConfig:
     score_alpha: float = _opt(1.0, "oasis: alpha in score = q.c + alpha*|q|.r over block min/max "
                               "summaries")
     summary_dtype: str = _opt("auto", "oasis: block summaries in HBM: auto (as the KV cache: fp8 "
-                              "with --kv-cache-dtype fp8, else the model's dtype), fp8 (e4m3 rows "
-                              "with a scale each: half the HBM and half the bytes each selection "
-                              "scans) or model (the model's dtype)")
+                              "with --kv-cache-dtype fp8 or int8, else the model's dtype), fp8 "
+                              "(e4m3 rows with a scale each: half the HBM and half the bytes each "
+                              "selection scans) or model (the model's dtype)")
     draft: str = _opt("none", "oasis: how the working set is chosen: none (select with the current "
                       "token's query before attention: synchronous retrieval) or lookahead, one "
                       "step ahead, from: previous (the current query predicts the next), ngram "
@@ -288,8 +288,9 @@ class EngineConfig:
     kv_mode: str = _opt("dense", "dense (paged KV in HBM) or oasis (full KV in host memory, "
                         "per-head working sets of topk_blocks blocks in HBM)")
     kv_cache_dtype: str = _opt("auto", "how K/V are stored (paged pool, host store, working sets): "
-                               "auto (the model's dtype) or fp8 (e4m3, one float32 scale per "
-                               "token and kv head)")
+                               "auto (the model's dtype), fp8 (e4m3) or int8, with one float32 "
+                               "scale per token and kv head (int8 keeps keys closer: "
+                               "kernels/fp8.py)")
     tier: TierConfig = _opt(TierConfig(), "tiered KV settings (kv_mode=oasis)", cli=False)
 
     def __post_init__(self):
@@ -307,8 +308,9 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.kv_mode not in ("dense", "oasis"):
             raise ValueError(f"kv_mode must be dense or oasis, got {self.kv_mode!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8 or int8, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.tier.lookahead and self.kv_mode != "oasis":
             raise ValueError("draft (lookahead) needs kv_mode=oasis")
         if self.tensor_parallel_size < 1:
@@ -318,9 +320,9 @@ class EngineConfig:
     @property
     def fp8_summaries(self) -> bool:
         """Whether tiered KV stores its block summaries as FP8 (``summary_dtype``; ``auto``
-        follows ``kv_cache_dtype``)."""
+        follows ``kv_cache_dtype``: FP8 summaries with either 8-bit KV)."""
         dtype = self.tier.summary_dtype
-        return dtype == "fp8" or dtype == "auto" and self.kv_cache_dtype == "fp8"
+        return dtype == "fp8" or dtype == "auto" and self.kv_cache_dtype != "auto"
 
     @classmethod
     def from_flat(cls, **settings) -> "EngineConfig":

@@ -161,7 +161,8 @@ for stage in $stages; do
     kernels)
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
       summary+=("kernels: $(tail -1 "$OUT/kernels.log" | cut -c1-300)") ;;
-    kernels-fp8)  # paged decode, bf16 vs FP8 cache, at the dense 32K batches of each (24 / 46);
+    kernels-fp8)  # paged decode, bf16 vs 8-bit caches (KERNEL_DTYPES: auto fp8 int8), at the dense
+      # 32K batches of each (24 / 46);
       # FP8 also sweeps the launch configs (LAUNCH_SWEEP=1)
       for dt in ${KERNEL_DTYPES:-auto fp8}; do
         sweep=""; [ "$dt" = fp8 ] && [ -n "${LAUNCH_SWEEP:-}" ] && sweep=--sweep-launch

@@ -35,7 +35,7 @@ class DenseBackend(AttentionBackend):
         self.num_blocks = 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
-        self.scales: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer (FP8 only)
+        self.scales: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer (8-bit only)
         cuda = device.type == "cuda"
         self._store, self._decode = kernel("store_kv", cuda), kernel("paged_decode_attention", cuda)
 
@@ -80,7 +80,7 @@ class DenseBackend(AttentionBackend):
 
     def _gather(self, layer: int, block_table: torch.Tensor, length: int):
         """K and V of one sequence's first ``length`` tokens as ``[Hk, length, D]`` (dequantized
-        to the model's dtype from FP8 storage)."""
+        to the model's dtype from 8-bit storage)."""
         blocks = block_table[: -(-length // self.block_size)].long()
         scales = self.scales[layer]
 

@@ -81,7 +81,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                              "(concurrency above it is capped)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="K/V storage (pool, host store, working sets): auto or fp8")
+                        help="K/V storage (pool, host store, working sets): auto, fp8 or int8")
     parser.add_argument("--summary-dtype", default="auto",
                         help="oasis: block summaries in HBM: auto (as the KV cache), fp8 or "
                              "model (the model's dtype)")
@@ -229,17 +229,17 @@ def _environment(engine: LLMEngine) -> dict:
 
 def _label(engine: LLMEngine) -> str:
     c = engine.config
-    fp8 = "-fp8" if c.kv_cache_dtype == "fp8" else ""
+    kv = "" if c.kv_cache_dtype == "auto" else "-" + c.kv_cache_dtype
     if c.kv_mode == "dense":
-        return "oasiskv" + fp8
+        return "oasiskv" + kv
     t = c.tier
     if t.lookahead:
         mode = f"{t.draft.partition(':')[0]}-{t.prefetch}"
     else:  # synchronous retrieval selects in line whatever --prefetch says, unless it is off
         mode = "sync-off" if t.prefetch == "off" else "sync"
     guard = f"-guard{t.guardrail_rate:g}" if t.guardrail_rate else ""
-    fp8 += "-fp8sum" if c.fp8_summaries else ""
-    return (f"oasis-K{t.topk_blocks}-{mode}{fp8}{guard}"
+    kv += "-fp8sum" if c.fp8_summaries else ""
+    return (f"oasis-K{t.topk_blocks}-{mode}{kv}{guard}"
             + ("-EMULATED" if emulated_label(engine) else ""))
 
 

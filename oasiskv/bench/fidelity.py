@@ -109,8 +109,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
                         help="measure attention recall online (guardrail rate 1) in the capped "
                              "and lookahead runs, and tabulate top-1 agreement by recall")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="K/V storage of every run but the reference dense one: auto or fp8 "
-                             "(then a 'dense fp8' run is added)")
+                        help="K/V storage of every run but the reference dense one: auto, fp8 or "
+                             "int8 (then a 'dense fp8' or 'dense int8' run is added)")
     parser.add_argument("--summary-dtype", default="auto",
                         help="block summaries of the tiered runs: auto (as the KV cache), fp8 "
                              "or model (the model's dtype)")
@@ -227,10 +227,10 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
     runs = [teacher_forced(dense, wins, args.last, "dense")]
     _free(dense)
     base["kv_cache_dtype"] = args.kv_cache_dtype
-    suffix = " fp8" if args.kv_cache_dtype == "fp8" else ""
+    suffix = "" if args.kv_cache_dtype == "auto" else " " + args.kv_cache_dtype
     if suffix:
         engine = LLMEngine(**base)
-        runs.append(teacher_forced(engine, wins, args.last, "dense fp8"))
+        runs.append(teacher_forced(engine, wins, args.last, "dense" + suffix))
         _free(engine)
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     base["summary_dtype"] = args.summary_dtype

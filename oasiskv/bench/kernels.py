@@ -1,15 +1,15 @@
 """Micro-benchmarks of decode-side kernels (GPU only).
 
-``python -m oasiskv.bench.kernels [--kv-cache-dtype auto|fp8] [--batches 8,24] [--contexts 32768]``:
-``paged_decode_attention`` against torch SDPA on contiguous KV. Shape: Qwen3-8B attention (32 q
-heads, 8 kv heads, head_dim 128, bf16 queries, block 16), batch 1/8/24/32/48/64 x context
-4K/16K/32K (all rows the full context; combos whose paged cache plus its contiguous copy would
-exceed ``_MAX_BYTES`` are skipped). ``fp8``: the cache is FP8 with per-row scales (SDPA still reads
-the bf16 original). Times are medians from ``triton.testing.do_bench`` over a CUDA-graph replay of
-one call (the engine captures decode in graphs; eager timing of small cases would measure Python
-launch cost); GB/s counts the K+V bytes attended (FP8: values and scales). Each point also sweeps
-forced split counts (best s) to check the split heuristic. Prints a table (with the measured wave
-size), then one JSON line.
+``python -m oasiskv.bench.kernels [--kv-cache-dtype auto|fp8|int8] [--batches 8,24]
+[--contexts 32768]``: ``paged_decode_attention`` against torch SDPA on contiguous KV. Shape:
+Qwen3-8B attention (32 q heads, 8 kv heads, head_dim 128, bf16 queries, block 16), batch
+1/8/24/32/48/64 x context 4K/16K/32K (all rows the full context; combos whose paged cache plus its
+contiguous copy would exceed ``_MAX_BYTES`` are skipped). ``fp8`` / ``int8``: the cache is 8-bit
+with per-row scales (SDPA still reads the bf16 original). Times are medians from
+``triton.testing.do_bench`` over a CUDA-graph replay of one call (the engine captures decode in
+graphs; eager timing of small cases would measure Python launch cost); GB/s counts the K+V bytes
+attended (8-bit: values and scales). Each point also sweeps forced split counts (best s) to check
+the split heuristic. Prints a table (with the measured wave size), then one JSON line.
 
 ``python -m oasiskv.bench.kernels --scores``: ``block_scores`` (the summary scan of tiered decode)
 at 128 rows x 32K (2,048 blocks each, 8 kv heads, bf16 summaries, or FP8 with ``--summary-dtype
@@ -53,8 +53,10 @@ def _graph_median_ms(fn) -> float:
 LAUNCHES = [(t, w, s) for t in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
-def _bench_one(batch: int, context: int, fp8: bool, sweep_launch: bool = False) -> dict:
-    """Time one (batch, context) point; returns ms and GB/s for the kernel and SDPA."""
+def _bench_one(batch: int, context: int, kv: torch.dtype | None,
+               sweep_launch: bool = False) -> dict:
+    """Time one (batch, context) point, the cache in ``kv`` (8-bit) or bf16 (None); returns ms and
+    GB/s for the kernel and SDPA."""
     from oasiskv.kernels.fp8 import quantize_rows, row_bytes
     from oasiskv.kernels.paged_decode import default_num_splits, paged_decode_attention
 
@@ -70,8 +72,8 @@ def _bench_one(batch: int, context: int, fp8: bool, sweep_launch: bool = False) 
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     stored, scales = (k_cache, v_cache), None
-    if fp8:
-        (kq, ks), (vq, vs) = quantize_rows(k_cache), quantize_rows(v_cache)
+    if kv is not None:
+        (kq, ks), (vq, vs) = quantize_rows(k_cache, kv), quantize_rows(v_cache, kv)
         stored, scales = (kq, vq), (ks, vs)
 
     def attend(**kw):
@@ -104,7 +106,7 @@ def _bench_one(batch: int, context: int, fp8: bool, sweep_launch: bool = False) 
                                                                       enable_gqa=True))
 
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * row_bytes(
-        HEAD_DIM, torch.float8_e4m3fn if fp8 else DTYPE)
+        HEAD_DIM, kv or DTYPE)
     sdpa_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * q.element_size()
     return {"batch": batch, "context": context,
             "splits": default_num_splits(batch, NUM_KV_HEADS, blocks_per_row, BLOCK_SIZE,
@@ -198,7 +200,7 @@ def bench_select() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "int8"), default="auto")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--scores", action="store_true", help="the summary-scan benchmark instead")
@@ -209,6 +211,7 @@ def main() -> None:
     parser.add_argument("--sweep-launch", action="store_true",
                         help="also time each launch config in LAUNCHES at the first point")
     args = parser.parse_args()
+    from oasiskv.kernels.fp8 import storage_dtype
     if not torch.cuda.is_available():
         sys.exit("oasiskv.bench.kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
     if args.scores:
@@ -217,10 +220,11 @@ def main() -> None:
     if args.select:
         print(json.dumps(bench_select()))
         return
-    fp8 = args.kv_cache_dtype == "fp8"
+    kv = storage_dtype(args.kv_cache_dtype, DTYPE)
+    kv = kv if kv != DTYPE else None
     rows = []
     print(f"paged_decode_attention: {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, head_dim {HEAD_DIM}, "
-          f"bf16 q, {'FP8' if fp8 else 'bf16'} cache, block {BLOCK_SIZE}, on "
+          f"bf16 q, {str(kv or DTYPE).removeprefix('torch.')} cache, block {BLOCK_SIZE}, on "
           f"{torch.cuda.get_device_name()}")
     print(f"{'batch':>5} {'context':>7} {'splits':>6} {'ms':>8} {'GB/s':>7} {'best s':>6} "
           f"{'best GB/s':>9} {'sdpa ms':>8} {'sdpa GB/s':>9}")
@@ -230,7 +234,7 @@ def main() -> None:
                            * torch.finfo(DTYPE).bits // 8)
             if 2 * cache_bytes > _MAX_BYTES:
                 continue
-            r = _bench_one(batch, context, fp8, args.sweep_launch and not rows)
+            r = _bench_one(batch, context, kv, args.sweep_launch and not rows)
             rows.append(r)
             print(f"{batch:>5} {context:>7} {r['splits']:>6} {r['ms']:>8.4f} {r['gbps']:>7.0f} "
                   f"{str(r['best_splits'] or '-'):>6} {r['best_gbps']:>9.0f} {r['sdpa_ms']:>8.4f} "

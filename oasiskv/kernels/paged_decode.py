@@ -12,25 +12,29 @@ capturable. By default each row divides *its own* context into ``num_splits`` ru
 shorter than the block table's width still uses every split); a fixed ``blocks_per_split`` can be
 forced instead. Splits past a sequence's end write a neutral partial (max=-inf, sum=0, acc=0).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import FP8, check_scales
+from oasiskv.kernels.fp8 import check_scales, quantized
 
 _LOG2E = 1.4426950408889634
-#: FP8 P.V (``_accumulate``): a tile's value-scale unit is at least this share of the largest scale
+#: int8 values convert to fp16 in packed integer operations (inline PTX; not in the interpreter)
+_PACKED_INT8 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+#: fp16 P.V (``_accumulate``): a tile's value-scale unit is at least this share of the largest scale
 #: seen
 _NORM_FLOOR = tl.constexpr(2.0 ** -40)
 # Launch config: (KV tokens per inner-loop iteration (several blocks per tile when block_size is
 # small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16). 16-bit caches (and
-# the sparse kernel): 64-token tiles, 2 stages. FP8 paged decode loads each tile's block ids and
+# the sparse kernel): 64-token tiles, 2 stages. 8-bit paged decode loads each tile's block ids and
 # scales one iteration ahead (INDEX_AHEAD), which lets 3 stages pipeline: 128-token tiles, 3
 # stages, 2.5% faster at 46 x 32K and 8% at 128 x 32K than 64 / 2 without (docs/benchmarks.md §15;
 # the same loading order costs 16-bit caches 3-5%; with whole tiles and fp16 P.V, 128 / 4 / 3 is
 # still the fastest of the sweep in §17).
 _LAUNCH = (64, 4, 2)
-_LAUNCH_FP8_PAGED = (128, 4, 3)
+_LAUNCH_8BIT_PAGED = (128, 4, 3)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -51,7 +55,7 @@ def _load_q(q_ptr, q_rows, stride_qb, stride_qh, q_heads, g_mask, offs_d):
 
 @triton.jit
 def _load_scales(scale_ptr, offs, valid, TILE: tl.constexpr, QUANT: tl.constexpr):
-    """Per-token dequantization scales ``[TILE]`` of an FP8 cache (QUANT), else ones."""
+    """Per-token dequantization scales ``[TILE]`` of an 8-bit cache (QUANT), else ones."""
     if QUANT:
         return tl.load(scale_ptr + offs, mask=valid, other=0.0)
     return tl.full([TILE], 1.0, tl.float32)
@@ -73,13 +77,13 @@ def _tile_index(bt_row, k_scale_ptr, v_scale_ptr, blk0, blk_end, ctx_len, tile_b
 
 
 @triton.jit
-def _zero_denominator(BLOCK_G: tl.constexpr, TILE: tl.constexpr, FP8_DOT: tl.constexpr):
-    """The softmax denominator's running state: per row ``[BLOCK_G]``, or with FP8_DOT per tile
+def _zero_denominator(BLOCK_G: tl.constexpr, TILE: tl.constexpr, FP16_DOT: tl.constexpr):
+    """The softmax denominator's running state: per row ``[BLOCK_G]``, or with FP16_DOT per tile
     column ``[BLOCK_G, TILE]``: a row sum per tile is a reduction across the program's warps (shared
-    memory and barriers), which the FP8 tile, half the bytes of a 16-bit one, cannot hide; the
+    memory and barriers), which the 8-bit tile, half the bytes of a 16-bit one, cannot hide; the
     columns are summed once, by ``_row_denominator``. (16-bit keeps the row: the extra registers
     cost it resident programs.)"""
-    if FP8_DOT:
+    if FP16_DOT:
         state = tl.zeros([BLOCK_G, TILE], tl.float32)
     else:
         state = tl.zeros([BLOCK_G], tl.float32)
@@ -87,9 +91,9 @@ def _zero_denominator(BLOCK_G: tl.constexpr, TILE: tl.constexpr, FP8_DOT: tl.con
 
 
 @triton.jit
-def _row_denominator(l, FP8_DOT: tl.constexpr):
+def _row_denominator(l, FP16_DOT: tl.constexpr):
     """``_zero_denominator``'s state after the last tile -> the row sums ``[BLOCK_G]``."""
-    if FP8_DOT:
+    if FP16_DOT:
         rows = tl.sum(l, 1)
     else:
         rows = l
@@ -98,17 +102,17 @@ def _row_denominator(l, FP8_DOT: tl.constexpr):
 
 @triton.jit
 def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr,
-                  FP8_DOT: tl.constexpr):
+                  FP16_DOT: tl.constexpr):
     """One tile of online softmax in the log2 domain: scores ``q @ kt`` times each key's
     dequantization scale ``k_scale`` ``[TILE]`` (``[BLOCK_G, TILE]``, -inf where not ``valid``) ->
     (p, alpha, m_new, l_new), ``l_i`` the denominator state of ``_zero_denominator``; the caller
     rescales its accumulator by alpha and adds the weighted values (``_accumulate``). While no
-    valid token has been seen (m_new = -inf) exp2 is kept away from NaN. FP8_DOT: ``q`` is
-    ``_fp16_query``'s fp16 copy, ``qk_scale`` divided by its shift, and ``kt`` FP8: the dot runs on
-    fp16 inputs (the FP8 values convert exactly with one instruction per pair, the products are
-    exact in the fp32 accumulator); else ``q`` is float32 and the dot runs at DOT_PRECISION."""
-    if FP8_DOT:
-        s = tl.dot(q, kt.to(tl.float16))
+    valid token has been seen (m_new = -inf) exp2 is kept away from NaN. FP16_DOT: ``q`` is
+    ``_fp16_query``'s fp16 copy, ``qk_scale`` divided by its shift, and ``kt`` 8-bit: the dot runs
+    on fp16 inputs (the 8-bit values convert exactly, ``_to_fp16``; the products are exact in the
+    fp32 accumulator); else ``q`` is float32 and the dot runs at DOT_PRECISION."""
+    if FP16_DOT:
+        s = tl.dot(q, _to_fp16(kt))
     else:
         s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION)
     s = s * (qk_scale * k_scale[None, :])
@@ -117,11 +121,31 @@ def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.c
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    if FP8_DOT:
+    if FP16_DOT:
         l_new = l_i * alpha[:, None] + p
     else:
         l_new = l_i * alpha + tl.sum(p, 1)
     return p, alpha, m_new, l_new
+
+
+@triton.jit
+def _to_fp16(x):
+    """8-bit stored values (e4m3 or int8) as fp16, exactly. int8 on the GPU through the bits, four
+    values per 32-bit register: u = x + 128 is x ^ 0x80 bytewise, fp16 ``0x64uu`` is 1024 + u, so
+    subtracting 1152 leaves x (5 instructions per 4 values, where Triton's own conversion takes an
+    int-to-float conversion per value and about as many byte moves)."""
+    if x.dtype == tl.int8 and _PACKED_INT8:
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 t, c;\n"
+            "xor.b32 t, $2, 0x80808080;\n"
+            "prmt.b32 $0, t, 0x64646464, 0x4140;\n"
+            "prmt.b32 $1, t, 0x64646464, 0x4342;\n"
+            "mov.b32 c, 0x64806480;\n"
+            "sub.f16x2 $0, $0, c;\n"
+            "sub.f16x2 $1, $1, c;}",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return x.to(tl.float16)
 
 
 @triton.jit
@@ -138,16 +162,17 @@ def _fp16_query(q):
 
 @triton.jit
 def _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v, DOT_PRECISION: tl.constexpr,
-                QUANT: tl.constexpr, FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
+                QUANT: tl.constexpr, FP16_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
     """``acc * alpha + (p * v_scale) @ v`` -> (acc, acc_norm, v_max): float32
     ``[BLOCK_G, HEAD_DIM]`` for the running accumulator ``acc``, its rescale ``alpha``
     ``[BLOCK_G]``, softmax weights ``p`` ``[BLOCK_G, TILE]``, value rows ``v``
     ``[TILE, HEAD_DIM]`` and their dequantization scales ``[TILE]`` (used when QUANT). The scales
     go into the weights (``BLOCK_G`` rows, not the ``TILE x HEAD_DIM`` values).
 
-    FP8_DOT: the dot runs on fp16 inputs, e4m3 values converted exactly (one instruction per pair;
-    bf16 takes three) and the weights scaled by ``v_scale`` over the tile's unit (its largest
-    scale), so they stay in [0, 1] whatever the rows' magnitudes: 11 significant bits; a weight
+    FP16_DOT: the dot runs on fp16 inputs, 8-bit values converted exactly (``_to_fp16``; e4m3 to
+    bf16 takes three instructions per pair, to fp16 one) and the weights scaled by ``v_scale``
+    over the tile's unit (its largest scale), so they stay in [0, 1] whatever the rows'
+    magnitudes: 11 significant bits; a weight
     below fp16's normal range (6e-5 of the unit) loses bits, as a contribution under 1e-7 of the
     tile's largest row would. The accumulator is then in that unit, ``acc_norm`` (rescaled with
     ``alpha`` when the next tile's differs; ``_true_acc`` multiplies it back). The unit never
@@ -157,13 +182,13 @@ def _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v, DOT_PRECISION: tl.co
     DOT_PRECISION and ``acc_norm``, ``v_max`` are unused. INTERPRETED (Triton's CPU
     interpreter, whose dots on 16-bit inputs are not the GPU's): the same fp16 values widened to
     float32, whose products and sums match."""
-    if FP8_DOT:
+    if FP16_DOT:
         tile_max = tl.max(v_scale, 0)
         v_max = tl.maximum(v_max, tile_max)
         norm = tl.maximum(tile_max, v_max * _NORM_FLOOR)
         norm = tl.where(norm > 0, norm, acc_norm)  # (nothing seen yet: the unit stays)
         w = (p * (v_scale / norm)[None, :]).to(tl.float16)
-        v16 = v.to(tl.float16)
+        v16 = _to_fp16(v)
         acc = acc * (alpha * (acc_norm / norm))[:, None]
         if INTERPRETED:
             acc += tl.dot(w.to(tl.float32), v16.to(tl.float32), input_precision="ieee")
@@ -177,9 +202,9 @@ def _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v, DOT_PRECISION: tl.co
 
 
 @triton.jit
-def _true_acc(acc, acc_norm, FP8_DOT: tl.constexpr):
+def _true_acc(acc, acc_norm, FP16_DOT: tl.constexpr):
     """``_accumulate``'s accumulator in true scale."""
-    if FP8_DOT:
+    if FP16_DOT:
         acc = acc * acc_norm
     return acc
 
@@ -199,7 +224,7 @@ def _load_tile(kt_ptrs, v_ptrs, valid, MASKED: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
-                 DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP16_DOT: tl.constexpr,
                  INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
     """One tile of online softmax attention: keys ``kt`` ``[HEAD_DIM, TILE]`` and values ``v``
     ``[TILE, HEAD_DIM]`` (with their scales, ``_softmax_tile`` and ``_accumulate``) update the
@@ -209,9 +234,9 @@ def _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l
     if not MASKED:
         valid = tl.full(k_scale.shape, 1, tl.int1)
     p, alpha, m_new, l_new = _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale,
-                                           DOT_PRECISION, FP8_DOT)
+                                           DOT_PRECISION, FP16_DOT)
     acc, acc_norm, v_max = _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v, DOT_PRECISION,
-                                       QUANT, FP8_DOT, INTERPRETED)
+                                       QUANT, FP16_DOT, INTERPRETED)
     return acc, acc_norm, v_max, m_new, l_new
 
 
@@ -244,7 +269,7 @@ def _decode_split_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MIN_BLOCKS: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
-    FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr, INDEX_AHEAD: tl.constexpr,
+    FP16_DOT: tl.constexpr, INTERPRETED: tl.constexpr, INDEX_AHEAD: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
 
@@ -267,7 +292,7 @@ def _decode_split_kernel(
 
     rows = row + 0 * offs_g
     q = _load_q(q_ptr, rows, stride_qb, stride_qh, q_heads, g_mask, offs_d)
-    if FP8_DOT:
+    if FP16_DOT:
         q, shift = _fp16_query(q)
         qk_scale = qk_scale / shift
 
@@ -285,11 +310,11 @@ def _decode_split_kernel(
     v_in_block = kv_head * stride_ch + tile_off[:, None] * stride_cs + offs_d[None, :]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
+    l_i = _zero_denominator(BLOCK_G, TILE, FP16_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     acc_norm, v_max = 1.0, 0.0
-    # INDEX_AHEAD (FP8 caches): a tile's block ids and scales are loaded one iteration ahead, so the
-    # K/V loads (the pipelined ones) never wait on the block table or the small scale loads; and
+    # INDEX_AHEAD (8-bit caches): a tile's block ids and scales are loaded one iteration ahead, so
+    # the K/V loads (the pipelined ones) never wait on the block table or the small scale loads; and
     # every tile but the split's last is whole (all its tokens exist and are read), so the loop
     # loads and weighs them without masks, and the last one (the row's partly written last block,
     # blocks past the split's end), loaded ahead by the loop's last iteration, follows it, masked
@@ -315,7 +340,7 @@ def _decode_split_kernel(
                 tile_blk, tile_off, head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
         acc, acc_norm, v_max, m_i, l_i = _attend_tile(
             q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
-            DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, not INDEX_AHEAD)
+            DOT_PRECISION, QUANT, FP16_DOT, INTERPRETED, not INDEX_AHEAD)
         if INDEX_AHEAD:
             block_id, valid, k_scale, v_scale = next_id, next_valid, next_k_scale, next_v_scale
     if INDEX_AHEAD and blk_start < blk_end:
@@ -324,9 +349,9 @@ def _decode_split_kernel(
                            v_cache_ptr + block_base[:, None] + v_in_block, valid, True)
         acc, acc_norm, v_max, m_i, l_i = _attend_tile(
             q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
-            DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, True)
+            DOT_PRECISION, QUANT, FP16_DOT, INTERPRETED, True)
 
-    _store_split(_true_acc(acc, acc_norm, FP8_DOT), m_i, _row_denominator(l_i, FP8_DOT), out_ptr,
+    _store_split(_true_acc(acc, acc_norm, FP16_DOT), m_i, _row_denominator(l_i, FP16_DOT), out_ptr,
                  m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits, tl.num_programs(1) * G,
                  q_heads, g_mask, offs_d, stride_ob, stride_oh, HEAD_DIM, DIRECT)
 
@@ -359,18 +384,19 @@ def _decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
-def fp8_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether decode over ``cache`` runs its dots on 16-bit inputs (``_softmax_tile``,
-    ``_accumulate``): an FP8 cache read by 16-bit queries. A float32 query keeps the float32 dots
+def fp16_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether decode over ``cache`` runs its dots on fp16 inputs (``_softmax_tile``,
+    ``_accumulate``): an 8-bit cache read by 16-bit queries. A float32 query keeps the float32 dots
     (the exact path)."""
-    return cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16)
+    return quantized(cache.dtype) and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def launch_config(launch: tuple[int, int, int] | None = None,
-                  fp8_paged: bool = False) -> tuple[int, int, int]:
+                  quantized_paged: bool = False) -> tuple[int, int, int]:
     """(tokens per iteration, warps, stages) for decode: ``launch`` when given (the kernel
-    benchmark's sweep), else the tuned one (``fp8_paged``: paged decode over an FP8 cache)."""
-    return launch or (_LAUNCH_FP8_PAGED if fp8_paged else _LAUNCH)
+    benchmark's sweep), else the tuned one (``quantized_paged``: paged decode over an 8-bit
+    cache)."""
+    return launch or (_LAUNCH_8BIT_PAGED if quantized_paged else _LAUNCH)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -461,7 +487,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     them; ``num_splits`` forces the count (still per row); ``blocks_per_split`` forces that many KV
     blocks per split instead. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run as
     tf32 (exact for the 16-bit Q.K products; softmax weights are rounded to tf32 for P.V), with an
-    fp32 q or cache as IEEE fp32; an FP8 cache read by a 16-bit q as in ``fp8_dot``. ``launch``:
+    fp32 q or cache as IEEE fp32; an 8-bit cache read by a 16-bit q as in ``fp16_dot``. ``launch``:
     forces ``launch_config``. No host sync; CUDA-graph capturable.
     """
     batch, num_q_heads, head_dim = q.shape
@@ -514,8 +540,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, tokens // block_size),
         MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct,
         DOT_PRECISION="ieee" if fp32 else "tf32", QUANT=quant,
-        FP8_DOT=fp8_dot(q, k_cache), INTERPRETED=not q.is_cuda, INDEX_AHEAD=quant, num_warps=warps,
-        num_stages=stages,
+        FP16_DOT=fp16_dot(q, k_cache), INTERPRETED=not q.is_cuda, INDEX_AHEAD=quant,
+        num_warps=warps, num_stages=stages,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE

@@ -68,7 +68,7 @@ def promote_local(ws_k: torch.Tensor, ws_v: torch.Tensor,
     """Move the local block of each ``done`` row into a block slot of its working set, per head.
 
     ws_k, ws_v: one layer's working sets ``[S, Hk, W, B, D]`` (last two dims contiguous; slot W-1 is
-    the local block); FP8 ones come with ``scales`` (k, v) float32 ``[S, Hk, W, B]`` (last-dim
+    the local block); 8-bit ones come with ``scales`` (k, v) float32 ``[S, Hk, W, B]`` (last-dim
     stride 1), moved with their rows. ws_map: int32 ``[S, Hk, W]`` logical block per slot (-1
     empty), ws_last: int64 ``[S, Hk, W-1]`` step each slot was last selected (last-dim strides 1).
     slots: ``[N]`` each row's sequence slot; done: bool ``[N]``; block: ``[N]`` the logical index

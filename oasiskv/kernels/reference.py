@@ -22,7 +22,7 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (or strided views of that shape,
     e.g. a layer of the host store), written in place with values cast to their dtype; slot =
-    ``block_id * block_size + offset``; negative slots are skipped. FP8 caches: rows quantised
+    ``block_id * block_size + offset``; negative slots are skipped. 8-bit caches: rows quantised
     with ``scales`` ``(k_scale, v_scale)`` ``[num_blocks, num_kv_heads, block_size]`` written too.
     """
     block_size = k_cache.shape[2]
@@ -34,7 +34,7 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         if scales is None:
             cache[blk, :, off] = x[keep].to(cache.dtype)
         else:
-            cache[blk, :, off], scales[i][blk, :, off] = quantize_rows(x[keep])
+            cache[blk, :, off], scales[i][blk, :, off] = quantize_rows(x[keep], cache.dtype)
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -48,7 +48,7 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``[num_blocks, num_kv_heads, block_size, head_dim]``. block_tables: ``[B, max_blocks]``, entries
     past a row's ``ceil(context_lens[b] / block_size)`` blocks are never used. context_lens:
     ``[B]``; rows with 0 give zeros. out: optional ``[B, num_q_heads, head_dim]`` target, else a new
-    tensor of q's dtype. FP8 caches come with ``scales`` ``[num_blocks, num_kv_heads,
+    tensor of q's dtype. 8-bit caches come with ``scales`` ``[num_blocks, num_kv_heads,
     block_size]`` each. blocks_per_split and num_splits are accepted for signature parity and
     ignored.
     """
@@ -147,7 +147,7 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     ``ws_map[s, h, j] >= 0`` and the first ``local_lens[n]`` tokens of slot W-1; rows with nothing
     to attend give zeros. draft_rows ``[N]`` (q row of row n's draft, -1 none): a draft row attends
     what its row attends plus its own ``extra_k/extra_v`` ``[Nq, Hk, D]`` entry (nothing for a
-    padding row's draft). FP8 working sets come with ``scales`` ``[S, Hk, W, B]`` each. num_splits
+    padding row's draft). 8-bit working sets come with ``scales`` ``[S, Hk, W, B]`` each. num_splits
     is accepted for signature parity and ignored.
     """
     num_rows, num_q_heads, head_dim = q.shape
@@ -228,7 +228,7 @@ def gather_blocks_ref(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws
     """Copy ``host[src_block[i], layer, src_head[i]]`` (``[B, D]``) into slot ``dst_slot[i]`` of the
     working set flattened as ``[S * Hk * W, B, D]``, K and V, as ``gather_blocks``; items with a
     negative ``src_block`` are skipped. Host and working set may live on different devices.
-    FP8 slices travel with their row scales (``scales`` = host K, host V, working-set K, V).
+    8-bit slices travel with their row scales (``scales`` = host K, host V, working-set K, V).
     num_programs and items_per_iter are accepted for signature parity and ignored.
     """
     keep = src_block >= 0

@@ -34,7 +34,7 @@ from oasiskv.kernels.fp8 import check_scales
 from oasiskv.kernels.paged_decode import (_accumulate, _load_q, _load_scales, _row_denominator,
                                           _softmax_tile, _fp16_query, _store_split, _true_acc,
                                           _wave_size, _zero_denominator,
-                                          default_num_splits, fp8_dot, launch_config, merge_splits,
+                                          default_num_splits, fp16_dot, launch_config, merge_splits,
                                           split_workspace)
 
 _LOG2E = 1.4426950408889634
@@ -66,7 +66,7 @@ def _sparse_split_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DRAFT: tl.constexpr,
-    QUANT: tl.constexpr, FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+    QUANT: tl.constexpr, FP16_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` (and, HAS_DRAFT, of
     its draft row ``draft_rows[pid(0)]`` when >= 0, program rows G..2G-1) over the slots of split
@@ -98,7 +98,7 @@ def _sparse_split_kernel(
 
     q = _load_q(q_ptr, q_rows, stride_qn, stride_qh, q_heads, g_mask, offs_d)
     q_dot, qk_dot = q, qk_scale
-    if FP8_DOT:
+    if FP16_DOT:
         q_dot, shift = _fp16_query(q)
         qk_dot = qk_scale / shift
 
@@ -118,7 +118,7 @@ def _sparse_split_kernel(
     v_in_slot = tile_off[:, None] * stride_vt + offs_d[None, :]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = _zero_denominator(BLOCK_G, TILE, FP8_DOT)
+    l_i = _zero_denominator(BLOCK_G, TILE, FP16_DOT)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     acc_norm, v_max = 1.0, 0.0
     for slot0 in range(slot_start, slot_end, SLOTS_PER_ITER):
@@ -132,15 +132,15 @@ def _sparse_split_kernel(
         k_scale = _load_scales(k_scale_ptr, scale_offs, valid, TILE, QUANT)
         # a tile may hold no valid token (empty slots): _softmax_tile keeps that finite
         p, alpha, m_new, l_i = _softmax_tile(q_dot, kt, k_scale, valid, m_i, l_i, qk_dot,
-                                             DOT_PRECISION, FP8_DOT)
+                                             DOT_PRECISION, FP16_DOT)
         v = tl.load(v_head + (slot64 * stride_vw)[:, None] + v_in_slot, mask=valid[:, None],
                     other=0.0)
         v_scale = _load_scales(v_scale_ptr, scale_offs, valid, TILE, QUANT)
         acc, acc_norm, v_max = _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v,
-                                           DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED)
+                                           DOT_PRECISION, QUANT, FP16_DOT, INTERPRETED)
         m_i = m_new
-    l_i = _row_denominator(l_i, FP8_DOT)
-    acc = _true_acc(acc, acc_norm, FP8_DOT)
+    l_i = _row_denominator(l_i, FP16_DOT)
+    acc = _true_acc(acc, acc_norm, FP16_DOT)
 
     # the draft's own key and value, once: in the split that holds the local slot
     if HAS_DRAFT:
@@ -197,8 +197,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     ``paged_decode.default_num_splits`` with the measured wave size); each split covers whole
     iterations of slots, splits past the last slot write neutral partials. Math is fp32 with K/V
     upcast; dots as tf32 for 16-bit inputs, IEEE fp32 when q or the working set is fp32, and as
-    in ``paged_decode.fp8_dot`` for an FP8 working set read by a 16-bit q. An FP8
-    working set (``float8_e4m3fn``) comes with ``scales``: float32 ``(k_scale, v_scale)``
+    in ``paged_decode.fp16_dot`` for an 8-bit working set read by a 16-bit q. An 8-bit working
+    set (``float8_e4m3fn`` or ``int8``) comes with ``scales``: float32 ``(k_scale, v_scale)``
     ``[S, Hk, W, B]`` (last-dim stride 1, the same strides), one per stored row
     (``kernels/fp8.py``); the draft rows' own K/V are unscaled. No host sync; CUDA-graph
     capturable (grid and workspace depend on shapes only).
@@ -269,7 +269,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32", HAS_DRAFT=has_draft,
-        QUANT=scales is not None, FP8_DOT=fp8_dot(q, ws_k), INTERPRETED=not q.is_cuda,
+        QUANT=scales is not None, FP16_DOT=fp16_dot(q, ws_k), INTERPRETED=not q.is_cuda,
         num_warps=warps, num_stages=stages,
     )
     if key not in _waves and q.is_cuda:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import FP8_MAX, MIN_AMAX, check_scales
+from oasiskv.kernels.fp8 import INT8, MIN_AMAX, QUANT_MAX, check_scales
 
 
 @triton.jit
@@ -32,17 +32,28 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
+def _round_to_integer(x):
+    """float32 ``x`` rounded to the nearest integer, ties to even (as ``torch.round``), still
+    float32: the cast to int8 after it is exact (a cast alone truncates)."""
+    r = tl.floor(x + 0.5)
+    tie_to_odd = (r - x == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0)
+    return tl.where(tie_to_odd, r - 1.0, r)
+
+
+@triton.jit
 def _store_rows(x_ptr, cache_ptr, scale_ptr, cache_off, scale_off, mask, row_mask,
-                FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr):
+                QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr,
+                INT: tl.constexpr):
     """Store rows ``[BLOCK_H, BLOCK_D]`` (``mask``) into the cache: cast, or (QUANT) quantised per
-    row, its scale written at ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask``
-    (``kernels/fp8.py``)."""
+    row to e4m3, or (INT) to int8, with QMAX the format's largest value, its scale written at
+    ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask`` (``kernels/fp8.py``)."""
     x = tl.load(x_ptr, mask=mask, other=0.0)
     if QUANT:
         x = x.to(tl.float32)
         # IEEE divisions: the torch reference rounds the same way
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), MIN_AMAX), FP8_MAX)[:, None]
-        x = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX))
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), MIN_AMAX), QMAX)[:, None]
+        x = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
+        x = _round_to_integer(x) if INT else _round_to_e4m3(x)
         tl.store(scale_ptr + scale_off, scale, mask=row_mask)
     tl.store(cache_ptr + cache_off, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -55,10 +66,10 @@ def _store_kv_kernel(
     stride_sb, stride_sh,
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr,
+    QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr, INT: tl.constexpr,
 ):
     """One program per token: copies its ``[num_heads, head_dim]`` K and V rows into the cache
-    slot (QUANT: as FP8 rows with their scales)."""
+    slot (QUANT: as 8-bit rows with their scales)."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -70,10 +81,10 @@ def _store_kv_kernel(
     scale_off = blk * stride_sb + heads * stride_sh + off
     _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, k_cache_ptr,
                 k_scale_ptr, blk * stride_kcb + heads * stride_kch + in_blk, scale_off, mask,
-                row_mask, FP8_MAX, MIN_AMAX, QUANT)
+                row_mask, QMAX, MIN_AMAX, QUANT, INT)
     _store_rows(v_ptr + tok * stride_vn + heads * stride_vh + dims, v_cache_ptr,
                 v_scale_ptr, blk * stride_vcb + heads * stride_vch + in_blk, scale_off, mask,
-                row_mask, FP8_MAX, MIN_AMAX, QUANT)
+                row_mask, QMAX, MIN_AMAX, QUANT, INT)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -86,10 +97,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k_cache, v_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same shape/dtype, each
     with its last two dims contiguous (strides of dims 0 and 1 free, e.g. a layer view of the host
     store); values are cast to the cache dtype. slot_mapping: int32/int64 ``[N]``. Duplicate
-    non-negative slots leave an unspecified one of the duplicates in the cache. FP8 caches
-    (``float8_e4m3fn``) come with ``scales``: float32 ``(k_scale, v_scale)``, the caches' shape
-    without the last dim (same strides for both), last-dim stride 1: each row is quantised with
-    its own scale (``kernels/fp8.py``). Does not synchronize; CUDA-graph capturable.
+    non-negative slots leave an unspecified one of the duplicates in the cache. 8-bit caches
+    (``float8_e4m3fn``, ``int8``) come with ``scales``: float32 ``(k_scale, v_scale)``, the
+    caches' shape without the last dim (same strides for both), last-dim stride 1: each row is
+    quantised with its own scale (``kernels/fp8.py``). Does not synchronize; CUDA-graph capturable.
     """
     n, num_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -116,5 +127,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_SIZE=k_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, QUANT=scales is not None,
+        QMAX=QUANT_MAX.get(k_cache.dtype, 1.0), MIN_AMAX=MIN_AMAX, QUANT=scales is not None,
+        INT=k_cache.dtype == INT8,
     )

@@ -86,7 +86,7 @@ def gather_blocks(host_k: torch.Tensor, host_v: torch.Tensor, layer: int, ws_k: 
     and the destination slots distinct. num_programs: grid size bound
     (P = min(num_programs, cdiv(M, items_per_iter))); items_per_iter (a power of two): items one
     program moves per loop iteration, all loads in flight at once, so fewer programs keep PCIe busy.
-    FP8 slices (``kernels/fp8.py``) travel with their row scales: ``scales`` = float32
+    8-bit slices (``kernels/fp8.py``) travel with their row scales: ``scales`` = float32
     ``(host_k_scale, host_v_scale, ws_k_scale, ws_v_scale)``, the four tensors' shapes without the
     last dim (last-dim stride 1; K and V scales with the same strides), copied in the same loop.
     Returns once launched: no host sync, CUDA-graph capturable (the grid depends on M, a shape).

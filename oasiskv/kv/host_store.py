@@ -35,7 +35,7 @@ class HostStore:
         self.layout, self.num_blocks = layout, num_blocks
         shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
                  layout.head_dim)
-        #: FP8 storage: float32 ``(k_scale, v_scale)`` ``[num_blocks, num_layers, Hk, B]``
+        #: 8-bit storage: float32 ``(k_scale, v_scale)`` ``[num_blocks, num_layers, Hk, B]``
         try:
             self.k, self.v, self.scales = empty_kv(shape, layout.storage_dtype)
         except (RuntimeError, MemoryError):
@@ -51,8 +51,8 @@ class HostStore:
                     str(layout.storage_dtype).removeprefix("torch."), " pinned" if pin else "")
 
     def tensors(self) -> list[torch.Tensor]:
-        """K, V, then the FP8 scales (K, V) when present: every tensor a block's bytes live in,
-        each ``[num_blocks, num_layers, ...]`` (a remote tier's descriptors keep this order)."""
+        """K, V, then the 8-bit row scales (K, V) when present: every tensor a block's bytes live
+        in, each ``[num_blocks, num_layers, ...]`` (a remote tier's descriptors keep this order)."""
         return [self.k, self.v, *(self.scales or ())]
 
     def physical_blocks(self, ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
@@ -84,7 +84,7 @@ class HostStore:
         return False
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Views ``[num_blocks, Hk, B]`` of one layer's K and V row scales (FP8), else None."""
+        """Views ``[num_blocks, Hk, B]`` of one layer's K and V row scales (8-bit), else None."""
         return None if self.scales is None else tuple(s[:, layer] for s in self.scales)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Host store, per K and V: ``[num_host_blocks, num_layers, Hk, B, D]`` (one (block, layer, kv-head)
 slice of B*D elements is contiguous: the unit copied to HBM). Working set, per layer and K/V:
-``[num_seq_slots, Hk, W, B, D]`` with W = K + 1 (slot W-1 is the local block). FP8 storage adds
+``[num_seq_slots, Hk, W, B, D]`` with W = K + 1 (slot W-1 is the local block). 8-bit storage adds
 float32 scales of the same shapes without D (``kernels/fp8.py``). Summaries, per layer:
 ``[num_host_blocks, Hk, 2, D]`` (element-wise max, then min, of a block's post-RoPE keys; FP8 with
 a scale per row).
@@ -47,7 +47,7 @@ class TieredLayout:
 
     @property
     def slice_bytes(self) -> int:
-        """One (block, layer, kv-head) slice of K or V (FP8: with its rows' scales)."""
+        """One (block, layer, kv-head) slice of K or V (8-bit: with its rows' scales)."""
         return self.block_size * row_bytes(self.head_dim, self.storage_dtype)
 
     @property

@@ -2,11 +2,11 @@
 host store.
 
 A worker that keeps prompt KV (a prefill or memory worker) serves its ``HostStore`` with a
-``RemoteStore``: its K and V (and FP8 scales) tensors are registered with a NIXL agent (UCX), and
-``descriptor()`` is what a reader needs to reach them (the agent's metadata, each region's address
-and size, the layout). A decode worker's ``RemoteReader`` connects to such descriptors and copies
-units of KV into a host store of its own (its decode-host cache) with one-sided READs: the serving
-process's CPU does no work per read. A unit is one block at one layer (all kv heads: the
+``RemoteStore``: its K and V (and 8-bit row scales) tensors are registered with a NIXL agent (UCX),
+and ``descriptor()`` is what a reader needs to reach them (the agent's metadata, each region's
+address and size, the layout). A decode worker's ``RemoteReader`` connects to such descriptors and
+copies units of KV into a host store of its own (its decode-host cache) with one-sided READs: the
+serving process's CPU does no work per read. A unit is one block at one layer (all kv heads: the
 ``[Hk, B, D]`` slice, contiguous in the ``[blocks, L, Hk, B, D]`` layout) or a whole block (every
 layer); ``read`` turns any number of units into one NIXL transfer (K, V and scales descriptors
 side by side), so the misses of a layer across requests cost one transfer. Every transfer has a
@@ -47,9 +47,9 @@ LATENCIES_KEPT = 4096
 @dataclass
 class ReadStats:
     """What a ``RemoteReader`` has moved: transfers started, bytes and units they read (all
-    regions: K, V and FP8 scales), transfers that failed or timed out, and the seconds each of the
-    latest ``LATENCIES_KEPT`` completed transfers took from its start (a reader lives as long as
-    its server: the list must not grow with every transfer)."""
+    regions: K, V and 8-bit row scales), transfers that failed or timed out, and the seconds each
+    of the latest ``LATENCIES_KEPT`` completed transfers took from its start (a reader lives as
+    long as its server: the list must not grow with every transfer)."""
     transfers: int = 0
     bytes: int = 0
     units: int = 0
@@ -201,7 +201,7 @@ class RemoteReader:
                              f"reader {self.local.k.dtype} {tuple(self.local.k.shape)}")
         if len(addrs) != len(self.local.tensors()):
             raise ValueError(f"peer {d.get('name')} has {len(addrs)} regions, this reader "
-                             f"{len(self.local.tensors())} (FP8 scales on one side only?)")
+                             f"{len(self.local.tensors())} (8-bit row scales on one side only?)")
         if d.get("name") in self.peers:
             return d["name"]
         name = self.agent.add_remote_agent(metadata)

@@ -33,7 +33,8 @@ class WorkingSet:
                          layout.head_dim)
         layers = [empty_kv((num_slots, H, W, B, D), layout.storage_dtype, device, zero=True)
                   for _ in range(L)]
-        #: per layer ``[S, Hk, W, B, D]``; FP8: ``scales[layer]`` = float32 (k, v) ``[S, Hk, W, B]``
+        #: per layer ``[S, Hk, W, B, D]``; 8-bit: ``scales[layer]`` = float32 (k, v)
+        #: ``[S, Hk, W, B]``
         self.k, self.v, self.scales = (list(x) for x in zip(*layers))
         self.map = [torch.full((num_slots, H, W), -1, dtype=torch.int32, device=device)
                     for _ in range(L)]
@@ -51,7 +52,7 @@ class WorkingSet:
         return self.k[layer][:, :, w], self.v[layer][:, :, w]
 
     def local_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Views ``[S, Hk, B]`` of the local blocks' row scales (FP8), else None."""
+        """Views ``[S, Hk, B]`` of the local blocks' row scales (8-bit), else None."""
         scales = self.scales[layer]
         return None if scales is None else tuple(s[:, :, self.layout.local_slot] for s in scales)
 

@@ -23,7 +23,7 @@ def exchange(llm) -> KVExchange:
     return KVExchange(llm.engine.runner.backend)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_imported_prefix_decodes_the_single_engine_tokens(tiny, kv_cache_dtype):
     batch = prompts(3, lo=60, hi=150, seed=11)
     alone = LLM(str(tiny), kv_cache_dtype=kv_cache_dtype, **TIER)

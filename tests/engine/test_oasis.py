@@ -37,11 +37,11 @@ def dense_tokens(path, batch, params=GREEDY, kv_cache_dtype="auto", **kw):
     # every block does not
     dict(summary_dtype="fp8"), dict(summary_dtype="model"),
 ], ids=["plain", "chunked-prefill", "tight-host-store", "fp8-summaries", "model-summaries"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw, kv_cache_dtype):
-    """FP8: the host store, working sets and dense pool quantise every row the same way, so tiered
-    FP8 decode equals dense FP8 decode (chunked the same way: a later chunk reads its prefix
-    quantised) token for token."""
+    """8-bit KV: the host store, working sets and dense pool quantise every row the same way, so
+    tiered decode equals dense decode in the same storage (chunked the same way: a later chunk
+    reads its prefix quantised) token for token."""
     batch = prompts(5, seed=1)
     kw = dict(kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
               kv_cache_dtype=kv_cache_dtype) | engine_kw
@@ -290,7 +290,8 @@ def test_guardrail_predictor_auc_and_quartiles():
 
 
 @pytest.mark.parametrize("kv_cache_dtype,summary_dtype", [("auto", "auto"), ("fp8", "auto"),
-                                                          ("fp8", "model"), ("auto", "fp8")])
+                                                          ("fp8", "model"), ("auto", "fp8"),
+                                                          ("int8", "auto")])
 def test_oasis_through_the_triton_kernels_equals_dense(tmp_path, monkeypatch, kv_cache_dtype,
                                                        summary_dtype):
     """The engine's calls into every Triton kernel (interpreter on CPU) give dense decode's tokens

@@ -14,7 +14,7 @@ import torch
 nixl = pytest.importorskip("nixl_cu13", reason="the remote tier needs NIXL: pip install "
                            "'oasiskv[pd]' (x86-64 Linux wheels)")
 
-from oasiskv.kernels.fp8 import FP8, as_bytes  # noqa: E402
+from oasiskv.kernels.fp8 import FP8, INT8, as_bytes  # noqa: E402
 from oasiskv.kv.host_store import HostStore  # noqa: E402
 from oasiskv.kv.layout import TieredLayout  # noqa: E402
 from oasiskv.kv.remote import RemoteReader, RemoteReadError  # noqa: E402
@@ -22,13 +22,14 @@ from oasiskv.kv.remote import RemoteReader, RemoteReadError  # noqa: E402
 LAYERS, HEADS, DIM, BLOCK = 3, 2, 32, 16
 
 
-def layout(fp8: bool) -> TieredLayout:
-    return TieredLayout(LAYERS, HEADS, DIM, BLOCK, 4, torch.bfloat16, FP8 if fp8 else None)
+def layout(kv: torch.dtype | None) -> TieredLayout:
+    """bf16 storage, or ``kv`` (8-bit rows with scales)."""
+    return TieredLayout(LAYERS, HEADS, DIM, BLOCK, 4, torch.bfloat16, kv)
 
 
-def filled(fp8: bool, num_blocks: int, seed: int) -> HostStore:
+def filled(kv: torch.dtype | None, num_blocks: int, seed: int) -> HostStore:
     """A host store whose every byte follows from ``seed``."""
-    store = HostStore(layout(fp8), num_blocks, pin=False)
+    store = HostStore(layout(kv), num_blocks, pin=False)
     gen = torch.Generator().manual_seed(seed)
     for t in (store.k, store.v, *(store.scales or ())):
         raw = as_bytes(t).view(torch.uint8)
@@ -36,9 +37,10 @@ def filled(fp8: bool, num_blocks: int, seed: int) -> HostStore:
     return store
 
 
-def serve(fp8: bool, num_blocks: int, seed: int, out: mp.Queue, stop: mp.Event) -> None:
+def serve(kv: torch.dtype | None, num_blocks: int, seed: int, out: mp.Queue,
+          stop: mp.Event) -> None:
     from oasiskv.kv.remote import RemoteStore
-    store = RemoteStore(filled(fp8, num_blocks, seed), f"memory-{os.getpid()}")
+    store = RemoteStore(filled(kv, num_blocks, seed), f"memory-{os.getpid()}")
     out.put(store.descriptor())
     stop.wait(120)
     store.close()
@@ -46,15 +48,15 @@ def serve(fp8: bool, num_blocks: int, seed: int, out: mp.Queue, stop: mp.Event) 
 
 @pytest.fixture
 def peer(request):
-    """A serving process (bf16 or FP8 per the parameter) -> (its descriptor, its expected store,
-    the process)."""
-    fp8 = request.param
+    """A serving process (its storage dtype the parameter, ``layout``'s) -> (its descriptor, its
+    expected store, the process)."""
+    kv = request.param
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=serve, args=(fp8, 40, 7, out, stop), daemon=True)
+    proc = ctx.Process(target=serve, args=(kv, 40, 7, out, stop), daemon=True)
     proc.start()
     try:
-        yield out.get(timeout=120), filled(fp8, 40, 7), proc
+        yield out.get(timeout=120), filled(kv, 40, 7), proc
     finally:
         if proc.is_alive():  # (a killed peer may have died holding the event's lock)
             stop.set()
@@ -70,11 +72,11 @@ def units(store: HostStore, blocks, layer=None):
     return [t[idx] if layer is None else t[idx, layer] for t in raw]
 
 
-@pytest.mark.parametrize("peer", [False, True], ids=["bf16", "fp8"], indirect=True)
+@pytest.mark.parametrize("peer", [None, FP8, INT8], ids=["bf16", "fp8", "int8"], indirect=True)
 def test_reads_give_exactly_the_remote_bytes(peer):
     descriptor, remote, _ = peer
-    fp8 = remote.scales is not None
-    local = HostStore(layout(fp8), 12, pin=False)
+    kv = remote.k.dtype if remote.scales is not None else None
+    local = HostStore(layout(kv), 12, pin=False)
     for t in (local.k, local.v, *(local.scales or ())):
         as_bytes(t).view(torch.uint8).fill_(0xFF)
     reader = RemoteReader(local, f"decode-{uuid.uuid4().hex[:8]}", timeout_s=30)
@@ -102,8 +104,8 @@ def test_reads_give_exactly_the_remote_bytes(peer):
     with pytest.raises(ValueError, match="layer past"):
         reader.read(name, [1], [0], [LAYERS])
     # what it counted, against sizes computed by hand: a layer of a block is heads x block x dim
-    # values of K and of V (+ one float32 scale per row of each with FP8)
-    row = HEADS * BLOCK * (DIM * (1 if fp8 else 2) + (4 if fp8 else 0))
+    # values of K and of V (+ one float32 scale per row of each in 8 bits)
+    row = HEADS * BLOCK * (DIM * (1 if kv else 2) + (4 if kv else 0))
     s = reader.stats
     assert (s.transfers, s.units, s.failed) == (3, 11, 0)
     assert s.bytes == 2 * row * (5 + 2 * LAYERS + 3 + LAYERS) and len(s.latencies) == 3
@@ -111,10 +113,10 @@ def test_reads_give_exactly_the_remote_bytes(peer):
     reader.close()
 
 
-@pytest.mark.parametrize("peer", [False], ids=["bf16"], indirect=True)
+@pytest.mark.parametrize("peer", [None], ids=["bf16"], indirect=True)
 def test_a_dead_peer_fails_a_read_instead_of_hanging(peer):
     descriptor, remote, proc = peer
-    local = HostStore(layout(False), 4, pin=False)
+    local = HostStore(layout(None), 4, pin=False)
     reader = RemoteReader(local, f"decode-{uuid.uuid4().hex[:8]}", timeout_s=10)
     name = reader.connect(descriptor)
     reader.read(name, [1], [0]).wait()  # the connection is up
@@ -129,11 +131,11 @@ def test_a_dead_peer_fails_a_read_instead_of_hanging(peer):
 def test_connecting_a_peer_of_another_layout_is_refused(tmp_path):
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=serve, args=(True, 8, 1, out, stop), daemon=True)
+    proc = ctx.Process(target=serve, args=(FP8, 8, 1, out, stop), daemon=True)
     proc.start()
     try:
         descriptor = out.get(timeout=120)
-        reader = RemoteReader(HostStore(layout(False), 4, pin=False),
+        reader = RemoteReader(HostStore(layout(None), 4, pin=False),
                               f"decode-{uuid.uuid4().hex[:8]}")
         with pytest.raises(ValueError, match="stores torch.float8_e4m3fn"):
             reader.connect(descriptor)

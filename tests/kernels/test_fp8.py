@@ -1,15 +1,16 @@
-"""FP8 KV storage (``kernels/fp8.py``): every kernel that writes or reads FP8 rows with their
-per-row scales vs its torch reference, on random inputs with NaN wherever nothing may be read.
+"""8-bit KV storage (``kernels/fp8.py``): every kernel that writes or reads e4m3 or int8 rows with
+their per-row scales vs its torch reference, on random inputs with NaN wherever nothing may be read
+(int8 rows: NaN scales, and -128, which no writer stores).
 
 Writers quantise exactly like ``quantize_rows`` (bit-identical values and scales); readers equal
-their references on the same FP8 rows and the dense computation on the dequantized rows. CPU runs
-use the Triton interpreter and tiny shapes."""
+their references on the same 8-bit rows and the dense computation on the dequantized rows. CPU runs
+use the Triton interpreter and tiny shapes. FP8 summaries are e4m3 whatever the KV storage."""
 import math
 
 import pytest
 import torch
 
-from oasiskv.kernels.fp8 import FP8, FP8_MAX, dequantize, quantize_rows
+from oasiskv.kernels.fp8 import FP8, FP8_MAX, INT8, dequantize, quantize_rows
 from oasiskv.kernels.block_scores import block_scores
 from oasiskv.kernels.paged_decode import paged_decode_attention
 from oasiskv.kernels.reference import (block_minmax_ref, block_scores_ref, gather_blocks_ref,
@@ -23,11 +24,24 @@ from tests.kernels.test_sparse_kernels import (NUM_BLOCKS, ROWS, _dense_sparse, 
                                                _scores_case, _scores_float64, _ws_case)
 
 NAN = float("nan")
+KV_DTYPES = pytest.mark.parametrize("kv", [FP8, INT8], ids=["fp8", "int8"])
 
 
-def quantized(cache):
-    """An FP8 copy of a float cache ``[..., D]`` and its scales ``[...]`` (NaN rows stay NaN)."""
-    return quantize_rows(cache)
+def quantized(cache, kv=FP8):
+    """A ``kv`` copy of a float cache ``[..., D]`` and its scales ``[...]`` (NaN rows keep NaN
+    scales)."""
+    return quantize_rows(cache, kv)
+
+
+def blank(shape, kv, device="cpu"):
+    """A ``kv`` tensor no writer could have written: NaN (e4m3), -128 (int8)."""
+    if kv == FP8:
+        return torch.full(shape, NAN, device=device).to(FP8)
+    return torch.full(shape, -128, dtype=kv, device=device)
+
+
+def is_blank(x):
+    return x.float().isnan() if x.dtype == FP8 else x == -128
 
 
 def bits(x):
@@ -46,34 +60,58 @@ def test_quantize_rows_round_trip_and_range():
     assert dequantize(q, scale)[3].eq(0).all()
 
 
+def test_quantize_rows_int8_round_trip_and_range():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=gen) * torch.logspace(-4, 3, 64)[:, None]
+    q, scale = quantize_rows(x, INT8)
+    assert q.dtype == INT8 and q.abs().amax(-1).eq(127).all(), "rows use the range"
+    err = (dequantize(q, scale) - x).abs()
+    assert (err <= scale[:, None] * 0.5 * (1 + 1e-6)).all()  # half a step of the row's grid
+
+
 @pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
-def test_store_kv_fp8_writes_quantised_rows_and_scales(fn):
+def test_store_kv_int8_rounds_ties_to_even(fn):
+    """A row whose largest value is 127 has scale 1: its halves are ties, stored as the even
+    neighbour (as ``torch.round``)."""
+    row = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -1.49])
+    k = row.view(1, 1, 8)
+    k_cache, v_cache = (blank((1, 1, 2, 8), INT8) for _ in range(2))
+    scales = tuple(torch.full((1, 1, 2), NAN) for _ in range(2))
+    fn(k, k.clone(), k_cache, v_cache, torch.tensor([1]), scales=scales)
+    assert k_cache[0, 0, 1].tolist() == [127, 2, -4, 0, 0, 2, 126, -1]
+    assert scales[0][0, 0, 1].item() == 1.0 and is_blank(k_cache[0, 0, 0]).all()
+
+
+@KV_DTYPES
+@pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
+def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, kv):
     gen = torch.Generator().manual_seed(1)
     n, heads, block, dim, blocks = 7, 2, 16, 32, 3
     mags = torch.logspace(-3, 2, n * heads).view(n, heads, 1)
     k, v = (torch.randn(n, heads, dim, generator=gen) * mags for _ in range(2))
     slots = torch.tensor([0, 17, -1, 5, 47, 18, 33])
-    k_cache = torch.full((blocks, heads, block, dim), NAN).to(FP8)
+    k_cache = blank((blocks, heads, block, dim), kv)
     v_cache = k_cache.clone()
     scales = tuple(torch.full((blocks, heads, block), NAN) for _ in range(2))
     fn(k, v, k_cache, v_cache, slots, scales=scales)
     keep = slots >= 0
     b, o = slots[keep] // block, slots[keep] % block
     for x, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
-        want_q, want_s = quantize_rows(x[keep])
+        want_q, want_s = quantize_rows(x[keep], kv)
         assert torch.equal(bits(cache[b, :, o]), bits(want_q))
         assert torch.equal(scale[b, :, o], want_s)
         written = torch.zeros(blocks * block, dtype=torch.bool)
         written[slots[keep]] = True
-        assert cache.float().transpose(1, 2).reshape(-1, heads, dim)[~written].isnan().all()
+        assert is_blank(cache.transpose(1, 2).reshape(-1, heads, dim)[~written]).all()
         assert scale.transpose(1, 2).reshape(-1, heads)[~written].isnan().all()
 
 
 @pytest.mark.parametrize("lens,group", [([5, 40, 0, 17], 2), ([64, 33], 4)])
-def test_paged_decode_fp8_equals_reference_and_dequantized_dense(lens, group):
+@KV_DTYPES
+def test_paged_decode_8_bit_equals_reference_and_dequantized_dense(lens, group, kv):
     q, k_cache, v_cache, tables, ctx = _case(lens, num_kv_heads=2, group=group, head_dim=32,
                                              block_size=16, dtype=torch.float32, seed=3)
-    (kq, ks), (vq, vs) = quantized(k_cache), quantized(v_cache)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
     scale = 1 / math.sqrt(32)
     out = torch.full_like(q, NAN)
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, out=out, num_splits=2,
@@ -91,14 +129,15 @@ def test_paged_decode_fp8_equals_reference_and_dequantized_dense(lens, group):
     (torch.float32, {}), (torch.bfloat16, {}), (torch.bfloat16, dict(num_splits=3)),
     (torch.bfloat16, dict(blocks_per_split=3)), (torch.bfloat16, dict(blocks_per_split=10))],
     ids=["fp32", "bf16", "bf16-3-splits", "bf16-3-blocks", "bf16-10-blocks"])
-def test_paged_decode_fp8_over_many_tiles(q_dtype, split):
+@KV_DTYPES
+def test_paged_decode_8_bit_over_many_tiles(q_dtype, split, kv):
     """Contexts of several 128-token tiles: the tiles before a split's last are read unmasked and
     the last one masked (a partly written block, NaN past its end; splits of whole tiles, of fewer
     blocks than a tile, and of a tile and a part), equal to the reference."""
     q, k_cache, v_cache, tables, ctx = _case([300, 129, 0, 17, 256], num_kv_heads=2, group=2,
                                              head_dim=32, block_size=16, dtype=torch.float32,
                                              seed=21)
-    (kq, ks), (vq, vs) = quantized(k_cache), quantized(v_cache)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
     q = q.to(q_dtype)
     scale = 1 / math.sqrt(32)
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, out=torch.full_like(q, NAN),
@@ -111,7 +150,8 @@ def test_paged_decode_fp8_over_many_tiles(q_dtype, split):
         _close_per_head(got, ref, 4e-3)
 
 
-def test_paged_decode_fp8_ending_on_a_tile_of_zero_value_rows():
+@KV_DTYPES
+def test_paged_decode_8_bit_ending_on_a_tile_of_zero_value_rows(kv):
     """A 16-bit query over long rows of large values whose last tile holds only zero rows (their
     scales are ~1e-33): the fp16 P.V keeps its accumulator's unit within 2**-40 of the largest
     scale seen, so the sum does not overflow when the unit drops to that tile's."""
@@ -120,7 +160,7 @@ def test_paged_decode_fp8_ending_on_a_tile_of_zero_value_rows():
     v_cache = v_cache + 1000  # (same sign: the sum grows with the tokens)
     for row in range(2):  # the last block holds tokens 2048..2052: zero value rows
         v_cache[tables[row, 128], :, :5] = 0
-    (kq, ks), (vq, vs) = quantized(k_cache), quantized(v_cache)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
     q = (q * 0.01).to(torch.bfloat16)  # flat attention: the sum is ~ tokens x 1000
     scale = 1 / math.sqrt(32)
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, num_splits=1, scales=(ks, vs))
@@ -130,10 +170,11 @@ def test_paged_decode_fp8_ending_on_a_tile_of_zero_value_rows():
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
-def test_sparse_decode_fp8_equals_reference(with_draft):
+@KV_DTYPES
+def test_sparse_decode_8_bit_equals_reference(with_draft, kv):
     q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, seed=4)
-    (kq, ks), (vq, vs) = quantized(ws_k), quantized(ws_v)
+    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized(ws_v, kv)
     extra = {}
     if with_draft:
         gen = torch.Generator().manual_seed(5)
@@ -158,9 +199,10 @@ def test_sparse_decode_fp8_equals_reference(with_draft):
 @pytest.mark.parametrize("q_dtype,q_gain,v_spread", [
     (torch.bfloat16, 1.0, 0), (torch.float16, 1.0, 0), (torch.bfloat16, 3e5, 0),
     (torch.bfloat16, 1.0, 4)])
-def test_decode_kernels_with_16_bit_queries_run_fp8_dots_close_to_the_reference(q_dtype, q_gain,
-                                                                               v_spread):
-    """A 16-bit q over FP8 rows takes the 16-bit dots (``fp8_dot``): Q.K exact, the softmax
+@KV_DTYPES
+def test_decode_kernels_with_16_bit_queries_run_16_bit_dots_close_to_the_reference(
+        q_dtype, q_gain, v_spread, kv):
+    """A 16-bit q over FP8 rows takes the 16-bit dots (``fp16_dot``): Q.K exact, the softmax
     weights times each value row's scale over the tile's largest rounded to fp16 for P.V (11
     significant bits), so outputs stay within 16-bit rounding of the float32 reference, for the
     paged and the sparse kernel (with a draft row). A query beyond fp16's range (``q_gain``) is
@@ -172,7 +214,7 @@ def test_decode_kernels_with_16_bit_queries_run_fp8_dots_close_to_the_reference(
     gen = torch.Generator().manual_seed(14)
     v_cache = v_cache * 10 ** (v_spread * (2 * torch.rand(v_cache.shape[:-1] + (1,),
                                                             generator=gen) - 1))
-    (kq, ks), (vq, vs) = quantized(k_cache), quantized(v_cache)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
     q = (q * q_gain).to(q_dtype)
     scale = 1 / math.sqrt(32) / q_gain
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, num_splits=2, scales=(ks, vs))
@@ -182,7 +224,7 @@ def test_decode_kernels_with_16_bit_queries_run_fp8_dots_close_to_the_reference(
     cq, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, seed=12)
     ws_v = ws_v * 10 ** (v_spread * (2 * torch.rand(ws_v.shape[:-1] + (1,), generator=gen) - 1))
-    (wk, wks), (wv, wvs) = quantized(ws_k), quantized(ws_v)
+    (wk, wks), (wv, wvs) = quantized(ws_k, kv), quantized(ws_v, kv)
     n = len(ROWS)
     gen = torch.Generator().manual_seed(13)
     cq = (torch.cat([cq, torch.randn(1, cq.shape[1], 32, generator=gen)]) * q_gain).to(q_dtype)
@@ -206,11 +248,12 @@ def _close_per_head(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 
 
 @pytest.mark.parametrize("fn", [gather_blocks, gather_blocks_ref], ids=["triton", "ref"])
-def test_gather_blocks_moves_fp8_slices_with_their_scales(fn):
+@KV_DTYPES
+def test_gather_blocks_moves_8_bit_slices_with_their_scales(fn, kv):
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(dtype=torch.float32,
                                                                            seed=6)
-    (hk, hks), (hv, hvs) = quantized(host_k), quantized(host_v)
-    wk, wv = ws_k.to(FP8), ws_v.to(FP8)
+    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized(host_v, kv)
+    wk, wv = ws_k.to(kv), ws_v.to(kv)
     wks, wvs = (torch.full(ws_k.shape[:-1], NAN) for _ in range(2))
     want = [x.clone() for x in (wk, wv, wks, wvs)]
     gather_blocks_ref(hk, hv, 1, want[0], want[1], src_block, src_head, dst_slot,
@@ -224,10 +267,11 @@ def test_gather_blocks_moves_fp8_slices_with_their_scales(fn):
 
 
 @pytest.mark.parametrize("fn", [block_minmax, block_minmax_ref], ids=["triton", "ref"])
-def test_block_minmax_of_fp8_rows_is_of_the_dequantized_keys(fn):
+@KV_DTYPES
+def test_block_minmax_of_8_bit_rows_is_of_the_dequantized_keys(fn, kv):
     host_k, _, _, _, _, _, _ = _host_case(dtype=torch.float32, seed=7)
     host_k[torch.isnan(host_k)] = 3.0
-    kq, ks = quantized(host_k)
+    kq, ks = quantized(host_k, kv)
     src, src_scale = kq[:, 1], ks[:, 1]
     idx0 = torch.tensor([3, 0, 11, 7], dtype=torch.int32)
     idx1 = torch.tensor([1, 0, 1, 0], dtype=torch.int64)
@@ -298,7 +342,8 @@ def cpu(*xs):
 
 
 @pytest.mark.gpu
-def test_fp8_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device):
+@KV_DTYPES
+def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device, kv):
     """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16), bf16 queries: the compiled store, paged and
     sparse decode, UVA gather from pinned memory and summaries on FP8 rows vs the references (run
     on CPU copies)."""
@@ -307,7 +352,7 @@ def test_fp8_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device
     # store_kv: quantise 200 tokens into a pool of 32 blocks
     k, v = (torch.randn(200, heads, dim, device=dev, dtype=torch.bfloat16) * 3 for _ in range(2))
     slots = torch.randperm(32 * block, device=dev)[:200]
-    kc, vc = (torch.full((32, heads, block, dim), NAN, device=dev).to(FP8) for _ in range(2))
+    kc, vc = (blank((32, heads, block, dim), kv, dev) for _ in range(2))
     sc = tuple(torch.full((32, heads, block), NAN, device=dev) for _ in range(2))
     kr, vr, sr = cpu(kc.clone(), vc.clone(), tuple(x.clone() for x in sc))
     store_kv(k, v, kc, vc, slots, scales=sc)
@@ -316,7 +361,7 @@ def test_fp8_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device
     torch.testing.assert_close(cpu(*sc), list(sr), rtol=0, atol=0, equal_nan=True)
     # paged decode over the quantised pool (rows never written made readable: zeros)
     for cache in (kc, vc):
-        bits(cache)[cache.float().isnan()] = 0
+        bits(cache)[is_blank(cache)] = 0
     sc = tuple(torch.nan_to_num(s) for s in sc)
     lens = torch.tensor([150, 37, 200, 1], dtype=torch.int32, device=dev)
     tables = (slots // block).unique()[None].expand(4, -1).to(torch.int32).contiguous()
@@ -328,7 +373,7 @@ def test_fp8_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device
     cq, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=heads, group=group, head_dim=dim, dtype=torch.float32, num_slots=9,
         seed=8, device=dev)
-    (wk, wks), (wv, wvs) = quantized(ws_k.cpu()), quantized(ws_v.cpu())
+    (wk, wks), (wv, wvs) = quantized(ws_k.cpu(), kv), quantized(ws_v.cpu(), kv)
     got = sparse_decode_attention(cq.bfloat16(), wk.to(dev), wv.to(dev), ws_map, seq_slots,
                                   local_lens, dim ** -0.5, scales=(wks.to(dev), wvs.to(dev)))
     ref = sparse_decode_ref(*cpu(cq.bfloat16()), wk, wv, *cpu(ws_map, seq_slots, local_lens),
@@ -339,9 +384,9 @@ def test_fp8_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(
         num_kv_heads=heads, head_dim=dim, dtype=torch.float32, m=64, num_host_blocks=40,
         num_slots=9, device=dev, seed=9)
-    (hk, hks), (hv, hvs) = quantized(host_k), quantized(host_v)
+    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized(host_v, kv)
     hk, hv, hks, hvs = (x.pin_memory() for x in (hk, hv, hks, hvs))
-    wk, wv = ws_k.to(FP8), ws_v.to(FP8)
+    wk, wv = ws_k.to(kv), ws_v.to(kv)
     wks, wvs = (torch.full(ws_k.shape[:-1], NAN, device=dev) for _ in range(2))
     want = cpu(wk.clone(), wv.clone(), wks.clone(), wvs.clone())
     gather_blocks(hk, hv, 1, wk, wv, src_block, src_head, dst_slot, num_programs=8,

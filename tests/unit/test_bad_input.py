@@ -124,7 +124,7 @@ def test_engine_config_rejects_nonsense():
 
 @pytest.mark.parametrize("kv_cache_dtype, summary_dtype, fp8", [
     ("auto", "auto", False), ("fp8", "auto", True), ("fp8", "model", False),
-    ("auto", "fp8", True), ("fp8", "fp8", True)])
+    ("auto", "fp8", True), ("fp8", "fp8", True), ("int8", "auto", True), ("int8", "model", False)])
 def test_block_summaries_follow_the_kv_cache_unless_told(kv_cache_dtype, summary_dtype, fp8):
     config = EngineConfig.from_flat(kv_mode="oasis", kv_cache_dtype=kv_cache_dtype,
                                     summary_dtype=summary_dtype)
