@@ -221,6 +221,11 @@ class TierConfig:
                          "generated), the rest of its prompt read again from the remote tier when "
                          "selected; < 1 on a disaggregated decode worker only (--role decode), "
                          "with a lookahead --draft")
+    remote_stall_ms: float = _opt(2.0, "oasis, decode-host cache: how long a step waits at most "
+                                  "for blocks read again from the remote tier; the requests whose "
+                                  "reads take longer sit out steps until their blocks land (the "
+                                  "others go on), and end with an error if a read fails or passes "
+                                  "--remote-timeout")
 
     guardrail_rate: float = _opt(0.0, "oasis: online fidelity guardrail: the share of decode rows "
                                  "per step measured (at one random layer) against exact attention "
@@ -240,6 +245,8 @@ class TierConfig:
             raise ValueError(f"unknown draft {self.draft!r}: use {DRAFTS}")
         if not 0.0 < self.f_host <= 1.0:
             raise ValueError(f"f_host must be in (0, 1], got {self.f_host}")
+        if not self.remote_stall_ms >= 0.0:
+            raise ValueError(f"remote_stall_ms must be >= 0, got {self.remote_stall_ms}")
         if self.f_host < 1.0 and not self.lookahead:
             raise ValueError("f_host < 1 needs a lookahead --draft: blocks read again from the "
                              "remote tier are read between steps, for the next step's selection")

@@ -101,6 +101,11 @@ class AttentionBackend(ABC):
         """The step ran and its sampled tokens are appended: run deferred work; the step's stats."""
         return StepStats()
 
+    def held_back(self) -> tuple[set[int], dict[int, str]]:
+        """Before a step is scheduled: the running sequences (ids) that sit out the next step (their
+        KV is not ready), and those that end now with why (it never will be). Default: none."""
+        return set(), {}
+
     # ---- tensor parallelism ----------------------------------------------------------------------
     def sequence_state(self, seq: Sequence) -> Any:
         """Rank 0: what another rank's backend needs to run ``seq`` as this one does, beyond the

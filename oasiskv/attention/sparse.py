@@ -71,7 +71,9 @@ class SparseBackend(AttentionBackend):
             if drafter is None and tier.draft != "previous":
                 drafter = make_drafter(tier.draft, device, model)
             self.lookahead = Lookahead(drafter, model)
-            self.retrieval = LookaheadRetrieval(self.kv, tier.prefetch, cfg.num_layers)
+            # (tensor-parallel ranks must run the same batch: they wait for their reads)
+            self.retrieval = LookaheadRetrieval(self.kv, tier.prefetch, cfg.num_layers,
+                                                tier.remote_stall_ms / 1e3 if ranks == 1 else None)
             self.rows_per_seq = self.lookahead.rows_per_seq
         else:
             self.retrieval = SyncRetrieval(self.kv, tier.prefetch)
@@ -82,6 +84,7 @@ class SparseBackend(AttentionBackend):
         self._replayed: TierStep | None = None  # the static meta of the graph this step replayed
         self._decode_rows = 0
         self._tap_bytes = 0  # the guardrail's tap buffers (HBM)
+        self._lost: dict[int, str] = {}  # blocks whose reads failed since ``held_back`` ran
 
     # ---- storage ---------------------------------------------------------------------------------
     def allocate(self, budget_bytes: int | None) -> None:
@@ -139,6 +142,9 @@ class SparseBackend(AttentionBackend):
     def _release(self, seq: Sequence) -> None:
         if self.lookahead is not None:
             self.lookahead.release(seq)
+        slot = self.allocator.slot_of.get(seq.seq_id)
+        if slot is not None:
+            self.retrieval.forget(slot)
 
     # ---- tensor parallelism: a worker's allocator keeps rank 0's working-set slots -------------
     def sequence_state(self, seq: Sequence) -> int | None:
@@ -227,9 +233,19 @@ class SparseBackend(AttentionBackend):
         self.retrieval.after_attention(layer, q_next, step.rows, tables)
         return out
 
+    def held_back(self) -> tuple[set[int], dict[int, str]]:
+        waiting, failed = self.retrieval.resume(self._lost)
+        self._lost = {}
+        if not waiting and not failed:
+            return set(), {}
+        seq_of = {slot: seq_id for seq_id, slot in self.allocator.slot_of.items()}
+        return ({seq_of[s] for s in waiting if s in seq_of},
+                {seq_of[s]: why for s, why in failed.items() if s in seq_of})
+
     def finish(self, batch: ScheduledBatch) -> StepStats:
         self.retrieval.finish()
         failed, lost = {}, self.kv.host.take_failed()
+        self._lost.update(lost)  # (the reasons for ``held_back``, until it runs)
         if lost:
             for seq in batch.seqs:  # (they end now: the next step would attend stale blocks)
                 why = next((lost[b] for b in seq.block_table if b in lost), None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -33,26 +34,54 @@ from oasiskv.kv.host_store import HostStore
 
 class StoreTier:
     """A remote tier that is another host store of this process (``kv.host_cache.RemoteTier``):
-    whole blocks, K, V and FP8 scales, copied; reads from a source in ``down`` fail."""
+    whole blocks or layers of them, K, V and 8-bit scales, copied. Reads from a source in ``down``
+    fail; a read from a source in ``slow`` (-> seconds) completes that long after it starts, and
+    copies only then, or fails past ``deadline_s``."""
 
     def __init__(self, src: HostStore, dst: HostStore):
         self.src, self.dst = src, dst
         self.units = self.layer_units = 0  # units read, and of those one layer of a block
         self.down: set[str] = set()
+        self.slow: dict[str, float] = {}
+        self.deadline_s = 2.0
 
-    def read(self, source: str, remote_blocks: list[int], rows: list[int],
-             layers: list[int]) -> None:
+    def start(self, source: str, remote_blocks: list[int], rows: list[int],
+              layers: list[int]) -> "_Copy":
         if source in self.down:
             raise ConnectionError(f"{source} is gone")
-        a, b = self.src, self.dst
-        for x, y in zip(a.tensors(), b.tensors()):
-            for src, row, layer in zip(a.rows_of(remote_blocks), rows, layers):
+        copy = _Copy(self, self.src.rows_of(remote_blocks), rows, layers,
+                     time.monotonic() + self.slow.get(source, 0.0))
+        copy.done()
+        return copy
+
+
+class _Copy:
+    """One ``StoreTier`` read (``kv.host_cache.PendingRead``)."""
+
+    def __init__(self, tier: StoreTier, src_rows: list[int], rows: list[int], layers: list[int],
+                 due: float):
+        self.tier, self.src_rows, self.rows, self.layers = tier, src_rows, rows, layers
+        self.due, self.deadline = due, time.monotonic() + tier.deadline_s
+        self.copied = False
+
+    def done(self) -> bool:
+        if self.copied:
+            return True
+        now = time.monotonic()
+        if now < self.due:
+            if now > self.deadline:
+                raise TimeoutError("a read from a slow source did not complete in time")
+            return False
+        for x, y in zip(self.tier.src.tensors(), self.tier.dst.tensors()):
+            for src, row, layer in zip(self.src_rows, self.rows, self.layers):
                 if layer < 0:
                     y[row] = x[src]
                 else:
                     y[row, layer] = x[src, layer]
-        self.units += len(rows)
-        self.layer_units += sum(layer >= 0 for layer in layers)
+        self.tier.units += len(self.rows)
+        self.tier.layer_units += sum(layer >= 0 for layer in self.layers)
+        self.copied = True
+        return True
 
 
 def copy_blocks(src: KVExchange, dst: KVExchange, src_blocks: list[int],
@@ -74,20 +103,24 @@ def prefill_and_export(prefill: LLM, ids: list[int]) -> list[int]:
 @dataclass
 class Imported:
     """A decode engine after ``decode_imported``: its outputs, its host store and the leases it let
-    go, and what it did per decode step (``rows``: host rows in use after each)."""
+    go, and what it did per step (``rows``: host rows in use after each; ``progress``: the requests
+    it gave an output)."""
     outputs: list
     host: HostStore
     idle: list
     steps: int
     rows: list[int]
+    progress: list[set[str]]
 
 
 def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams, f_host: float,
-                    down: tuple[str, ...] = (), **engine) -> Imported:
+                    down: tuple[str, ...] = (), slow: dict[str, float] | None = None,
+                    **engine) -> Imported:
     """Prefill ``prompts`` on one engine, import every prompt's blocks into a decode engine (with
     ``f_host < 1`` located on the first one's store, as source ``prompt-i`` under lease ``i``;
-    reads from sources in ``down`` fail), then decode them all at once there. ``engine``: the
-    engines' settings (tiered KV, a lookahead draft)."""
+    reads from sources in ``down`` fail, from sources in ``slow`` take that many seconds), then
+    decode them all at once there. ``engine``: the engines' settings (tiered KV, a lookahead
+    draft)."""
     prefill = LLM(model, **engine)
     decode = LLM(model, f_host=f_host, **engine)
     src, dst = KVExchange(prefill.engine.runner.backend), KVExchange(decode.engine.runner.backend)
@@ -95,6 +128,7 @@ def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams
     if isinstance(host, HostCache):
         host.reader = StoreTier(src.kv.host, host)
         host.reader.down.update(down)
+        host.reader.slow.update(slow or {})
         host.on_lease_idle = idle.append
     for lease, ids in enumerate(prompts):
         offered = prefill_and_export(prefill, ids)
@@ -109,15 +143,18 @@ def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams
     eng, finals, rows = decode.engine, {}, []
     for i, ids in enumerate(prompts):
         eng.add_request(ids, params, request_id=str(i))
-    steps = 0
+    steps, progress = 0, []
     while eng.has_unfinished():
-        for out in eng.step():
+        outs = eng.step()
+        for out in outs:
             if out.finished:
                 finals[out.request_id] = out
         steps += 1
         rows.append(host.rows_in_use if isinstance(host, HostCache) else 0)
+        progress.append({out.request_id for out in outs})
     eng.allocator.check_invariants([])
-    return Imported([finals[str(i)] for i in range(len(prompts))], host, idle, steps, rows)
+    return Imported([finals[str(i)] for i in range(len(prompts))], host, idle, steps, rows,
+                    progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,9 @@ from oasiskv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+#: seconds a step with nothing to run waits when running requests are held (their KV is being read)
+HELD_WAIT_S = 0.0005
+
 
 @dataclass
 class RequestOutput:
@@ -182,11 +185,21 @@ class LLMEngine:
 
         Teacher forcing: a request listed in ``forced`` (request id -> token) that gets a token in
         this step gets that token instead of a sampled one; its logprobs (when asked) score it,
-        with the model's top alternatives. The engine goes on from the forced token."""
+        with the model's top alternatives. The engine goes on from the forced token. Requests whose
+        KV the backend says will never be ready end first, with the reason."""
+        held, lost = self.runner.held_back()
+        self.scheduler.held = held
+        failed = [self._fail(seq, lost[seq.seq_id]) for seq in list(self.scheduler.running)
+                  if seq.seq_id in lost]
+        return failed + self._step(forced)
+
+    def _step(self, forced: Mapping[str, int] | None) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         self.stats.kv_samples = {}  # (a failing step observes nothing)
         if batch is None:  # (nothing runnable now, e.g. every free block held)
             self.stats.last_batch_size = 0
+            if self.scheduler.held:  # (their KV is on its way: no busy loop meanwhile)
+                time.sleep(HELD_WAIT_S)
             return []
         start = time.perf_counter()
         want = None if forced is None else [forced.get(s.request_id) for s in batch.seqs]

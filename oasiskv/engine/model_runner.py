@@ -160,6 +160,13 @@ class ModelRunner:
             return self._sample(batch, self.forward(batch), forced)
 
     @torch.inference_mode()
+    def held_back(self) -> tuple[set[int], dict[int, str]]:
+        """The backend's ``held_back``, between steps (rank 0; tensor-parallel engines wait for
+        their reads instead, so that every rank runs the same batch)."""
+        with self._device_scope():
+            return self.backend.held_back()
+
+    @torch.inference_mode()
     def finish(self, batch: ScheduledBatch) -> StepStats:
         """After ``run`` and once its tokens are appended: the backend's end of the step (its
         deferred work, its counters)."""

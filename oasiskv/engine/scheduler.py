@@ -4,7 +4,8 @@ Each step is either a prefill step (prompt chunks, up to ``max_num_batched_token
 longer than what is left is cut into chunks across steps) or a decode step (one token for every
 running sequence). Prefill goes first when anything is waiting and fits. When the KV allocator runs
 out during decode, the most recently admitted sequence is preempted: its blocks are freed and it
-goes back to the front of the waiting queue to be recomputed later.
+goes back to the front of the waiting queue to be recomputed later. Running sequences in ``held``
+(ids; the KV backend's ``held_back``) sit out decode steps until they leave it.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: set[int] = set()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -63,13 +65,15 @@ class Scheduler:
         self.allocator.free(seq)
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step's work; None only when nothing is waiting or running."""
+        """The next step's work; None only when nothing is waiting or running, or every running
+        sequence is held."""
         while True:
             batch = self._schedule_prefill() or self._schedule_decode()
-            if batch is not None or not self.running:
+            runnable = [s for s in self.running if s.seq_id not in self.held]
+            if batch is not None or not runnable:
                 return batch
             # Only half-prefilled sequences remain and the pool cannot take their next chunk.
-            self._preempt(self.running[-1])
+            self._preempt(runnable[-1])
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget, seqs, counts = self.max_num_batched_tokens, [], []
@@ -100,7 +104,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
-        queue = deque(s for s in self.running if not s.in_prefill)
+        queue = deque(s for s in self.running if not s.in_prefill and s.seq_id not in self.held)
         while queue:
             seq = queue.popleft()
             while not self.allocator.can_allocate(seq, 1):

@@ -4,8 +4,8 @@ A running sequence holds (a) one working-set slot in HBM (its K + 1 blocks per l
 a fixed size) and (b) host blocks for every token it has computed (its whole KV, in the host store).
 ``can_allocate`` is true only when both fit, so pinned memory is never over-committed. The block
 table holds host block ids; ``slot_of[seq.seq_id]`` the working-set slot. ``on_free(seq)`` is told
-whenever a sequence gives everything back (finished, aborted or preempted), so per-sequence state
-elsewhere in the tier goes with it.
+whenever a sequence gives everything back (finished, aborted or preempted; its slot still in
+``slot_of``), so per-sequence state elsewhere in the tier goes with it.
 
 Host blocks are a ``BlockManager``'s: ref counts, and prefix sharing by block-hash chain (a new
 prompt that starts with complete blocks another request computed takes those host blocks instead
@@ -95,10 +95,10 @@ class TieredAllocator(BlockManager):
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
+        self.on_free(seq)
         slot = self.slot_of.pop(seq.seq_id, None)
         if slot is not None:
             self.free_slots.append(slot)
-        self.on_free(seq)
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Host blocks as ``BlockManager.check_invariants``; every working-set slot is free or

@@ -11,14 +11,21 @@ while in use.
 
 Residency, eagerly: ``physical_blocks`` / ``physical_slots`` outside a CUDA-graph capture first make
 every id they are given resident at the layer the caller reads (a new block gets a row; a located
-one's missing (block, layer) units are read from its remote tier: ``reader.read``, blocking, with
-the reader's deadline; a row records which layers it holds, so a block read again for one layer
-costs one layer's bytes); inside a capture they only look ids up, and whoever replays the graph
-calls ``make_resident_layers`` on what it will read first (the lookahead retrieval does, for each
-layer's copy list, before their tail). Row-table updates reach the device
-with ``flush`` (on the current stream; every path above flushes). A block whose read fails stays
-not resident (copies skip it) and is reported by ``take_failed``: the backend ends the sequences
-whose tables name it, with the reason, and the others go on.
+one's missing (block, layer) units are read from its remote tier: ``reader.start``, one transfer
+per source, waited for until done or past the reader's deadline; a row records which layers it
+holds, so a block read again for one layer costs one layer's bytes); inside a capture they only
+look ids up, and whoever replays the graph calls ``make_resident_layers`` on what it will read
+first (the lookahead retrieval does, for each layer's copy list, before their tail). Row-table
+updates reach the device with ``flush`` (on the current stream; every path above flushes). A block
+whose read fails stays not resident (copies skip it) and is reported by ``take_failed``: the
+backend ends the sequences whose tables name it, with the reason, and the others go on.
+
+A slow source stalls only what it is read for: ``make_resident_layers`` with ``stall_s`` waits that
+long at most and returns the (block, layer) units still being read, *pending*. A pending block
+keeps its row (no eviction takes it) and settles when a later call polls its transfer (``poll``,
+or any residency call; a caller that needs a pending unit waits for it): its layers become valid,
+or it fails as a failed read does. The caller keeps whatever needed pending units out of use until
+then (the lookahead retrieval holds their sequences back, ``kv/retrieval.py``).
 
 Rows: a block takes a free row, else the least recently used *evictable* one: a located resident
 block, or a resident block no block table references (a cached prefix block: it leaves the prefix
@@ -50,14 +57,22 @@ from oasiskv.kv.layout import TieredLayout
 
 logger = logging.getLogger(__name__)
 
+_POLL_S = 0.0002  # between two polls of the reads a caller waits for
+
+
+class PendingRead(Protocol):
+    def done(self) -> bool:
+        """Whether the read completed. Raises when it failed or passed its deadline: an exception
+        whose ``unsettled`` attribute is true says its rows may still be written (they are never
+        used again)."""
+
 
 class RemoteTier(Protocol):
-    def read(self, source: Hashable, remote_blocks: list[int], rows: list[int],
-             layers: list[int]) -> None:
-        """Copy blocks ``remote_blocks`` of ``source`` into rows ``rows`` of the store, each at
-        layer ``layers[i]`` only (-1: the whole block); blocks until done, raises (past a deadline
-        too) when it fails: an exception whose ``unsettled`` attribute is true says the rows may
-        still be written (they are never used again)."""
+    def start(self, source: Hashable, remote_blocks: list[int], rows: list[int],
+              layers: list[int]) -> PendingRead:
+        """Start copying blocks ``remote_blocks`` of ``source`` into rows ``rows`` of the store,
+        each at layer ``layers[i]`` only (-1: the whole block); raises when it cannot start (as
+        ``PendingRead.done`` does)."""
 
 
 class NoHostRows(RuntimeError):
@@ -72,16 +87,26 @@ class Location:
 
 
 @dataclass
+class _Read:
+    """A transfer in flight: its source and (remote block, row, layer) units."""
+    source: Hashable
+    units: list[tuple[int, int, int]]
+    handle: PendingRead
+
+
+@dataclass
 class CacheStats:
     """Counts since start, of located blocks wanted resident: with every layer wanted already
     in their rows (``hits``), or not (``misses``: read from the remote tier, in ``units``, a whole
     block or one layer of one, ``bytes`` in all; reads that failed not counted), over
-    ``remote_reads`` transfers (failed ones too); and rows taken back."""
+    ``remote_reads`` transfers (failed ones too), of which ``deferred`` were still running when
+    their caller's stall budget ran out; and rows taken back."""
     hits: int = 0
     misses: int = 0
     units: int = 0
     bytes: int = 0
     remote_reads: int = 0
+    deferred: int = 0
     evictions: int = 0
 
 
@@ -117,6 +142,8 @@ class HostCache(HostStore):
         self.reader: RemoteTier | None = None
         #: blocks whose read failed (since ``take_failed``), with why
         self.failed: dict[int, str] = {}
+        self._reads: list[_Read] = []  # in flight
+        self.pending: dict[int, int] = {}  # block -> mask of its layers being read
         self._retired: set[int] = set()  # rows a failed read may still write
         self.on_forget: Callable[[int], None] = lambda block: None
         self.on_lease_idle: Callable[[Hashable], None] = lambda lease: None
@@ -149,6 +176,10 @@ class HostCache(HostStore):
     def resident(self, block: int) -> bool:
         return bool(self._row_of[block] >= 0)
 
+    def holds(self, block: int, layer: int) -> bool:
+        """Whether ``block``'s row holds its bytes at ``layer``."""
+        return bool(self._row_of[block] >= 0) and bool(self._valid[block] >> layer & 1)
+
     @property
     def rows_in_use(self) -> int:
         return self.num_physical - len(self._free_rows)
@@ -158,9 +189,10 @@ class HostCache(HostStore):
         """Make ``blocks`` resident with their bytes at ``layer`` (None: every layer) in their
         rows; see ``make_resident_layers``."""
         mask = self._full if layer is None else 1 << layer
-        self._ensure(dict.fromkeys(blocks, mask), partial)
+        self._ensure(dict.fromkeys(blocks, mask), partial, None)
 
-    def make_resident_layers(self, per_layer: list[list[int]], partial: bool = False) -> None:
+    def make_resident_layers(self, per_layer: list[list[int]], partial: bool = False,
+                             stall_s: float | None = None) -> dict[int, int]:
         """Make the blocks ``per_layer[l]`` resident with their bytes at layer ``l`` in their rows,
         for every layer ``l`` at once: a block gets a row (a free one, else the least recently
         used evictable block's), and a located block's missing (block, layer) units are read from
@@ -169,15 +201,26 @@ class HostCache(HostStore):
         blocks (rows -1: copies skip them) and reports them in ``failed`` until ``take_failed``.
         When no row can be taken back: ``NoHostRows`` (nothing changed), or with ``partial`` the
         blocks left without a row are failed the same way (one step wanting more blocks at once
-        than there are rows ends the sequences that wanted those, not the step)."""
+        than there are rows ends the sequences that wanted those, not the step). ``stall_s``:
+        wait that long at most for the reads (None: until each is done or past its deadline).
+        Returns the wanted units still being read: block -> mask of its layers (pending)."""
         want: dict[int, int] = {}
         for layer, blocks in enumerate(per_layer):
             for b in blocks:
                 want[b] = want.get(b, 0) | 1 << layer
-        self._ensure(want, partial)
+        return self._ensure(want, partial, stall_s)
 
-    def _ensure(self, want: dict[int, int], partial: bool) -> None:
+    def poll(self) -> None:
+        """Settle the reads that finished (or failed) since the last call; never waits."""
+        if self._reads:
+            self._settle(time.monotonic(), None)
+            self.flush()
+
+    def _ensure(self, want: dict[int, int], partial: bool,
+                stall_s: float | None) -> dict[int, int]:
         """``make_resident_layers`` for ``want``: block -> mask of the layers wanted."""
+        if self._reads:  # (a caller that cannot wait less waits for the units it needs)
+            self._settle(time.monotonic() if stall_s is not None else None, set(want))
         for b in [b for b in want if b in self.where and self.where[b].lease in self._lost
                   and want[b] & ~self._valid[b]]:  # (their bytes are gone: no row, no read)
             self.failed[b] = (f"the lease on {self.where[b].source} that kept this block's KV "
@@ -218,12 +261,12 @@ class HostCache(HostStore):
         # per source, the (remote block, row, layer) units to read (layer -1: the whole block)
         reads: defaultdict[Hashable, list[tuple[int, int, int]]] = defaultdict(list)
         for b, mask in want.items():
-            lacking = mask & ~self._valid[b]
+            lacking = mask & ~self._valid[b] & ~self.pending.get(b, 0)
             loc = self.where.get(b)
             if loc is None:
                 continue
             if not lacking:
-                self.stats.hits += 1
+                self.stats.hits += b not in self.pending
                 continue
             row = int(self._row_of[b])
             if lacking == self._full:
@@ -233,34 +276,108 @@ class HostCache(HostStore):
                                       if lacking >> layer & 1]
         if reads and self.rows.is_cuda:
             torch.cuda.synchronize()
+        started = []
         for source, units in reads.items():
             self.stats.remote_reads += 1
             try:
                 if self.reader is None:
                     raise RuntimeError("no remote tier to read located blocks from")
-                self.reader.read(source, *(list(x) for x in zip(*units)))
+                read = _Read(source, units, self.reader.start(source,
+                                                              *(list(x) for x in zip(*units))))
             except Exception as exc:  # noqa: BLE001 (the tier's errors: the blocks are lost here)
-                lost = list(dict.fromkeys(self._block_at[row] for _, row, _ in units))
-                why = (f"reading {len(lost)} KV blocks from {source} failed: "
-                       f"{type(exc).__name__}: {exc}")
-                logger.error("%s", why)
-                self.failed.update(dict.fromkeys(lost, why))
-                unsettled = getattr(exc, "unsettled", False)
-                for b in lost:
-                    self._evict(b, retire=unsettled)
-                if unsettled:
-                    logger.error("%d host rows may still be written by that read: retired",
-                                 len(lost))
+                self._read_failed(source, units, exc)
                 continue
-            block = self.layout.host_block_bytes
-            self.stats.misses += len({row for _, row, _ in units})
-            self.stats.units += len(units)
-            self.stats.bytes += sum(block if layer < 0 else block // self._layers
-                                    for _, _, layer in units)
+            started.append(read)
             for _, row, layer in units:
                 b = self._block_at[row]
-                self._valid[b] |= self._full if layer < 0 else 1 << layer
+                self.pending[b] = self.pending.get(b, 0) | (self._full if layer < 0
+                                                            else 1 << layer)
+                self._evictable.pop(b, None)  # (its row is being written)
+        self._reads += started
+        if self._reads:
+            until = None if stall_s is None else time.monotonic() + stall_s
+            self._settle(until, set(want) if stall_s is None else None)
+            left = {id(r) for r in self._reads}
+            self.stats.deferred += sum(id(r) in left for r in started)
         self.flush()
+        return {b: mask & self.pending[b] for b, mask in want.items()
+                if mask & self.pending.get(b, 0)}
+
+    def _settle(self, until: float | None, need: set[int] | None) -> None:
+        """Poll the reads in flight, settling those that finished or failed, until none is left,
+        or (``need``) none is left that reads one of those blocks, or ``until`` (monotonic s;
+        None: no limit, each read ends by its own deadline) passes."""
+        while True:
+            left, landed, failed = [], [], []
+            for read in self._reads:
+                try:
+                    (landed if read.handle.done() else left).append(read)
+                except Exception as exc:  # noqa: BLE001 (as a read that could not start)
+                    failed.append((read, exc))
+            self._reads = left
+            for read in landed:
+                self._landed(read)
+            for i, (read, exc) in enumerate(failed):
+                self._read_failed(read.source, read.units, exc, [r for r, _ in failed[i + 1:]])
+            left = self._reads
+            if (not left or until is not None and time.monotonic() >= until
+                    or need is not None and not any(self._block_at[row] in need
+                                                    for r in left for _, row, _ in r.units)):
+                return
+            time.sleep(_POLL_S)
+
+    def _landed(self, read: _Read) -> None:
+        """``read`` completed: its units are valid in their rows."""
+        block = self.layout.host_block_bytes
+        self.stats.misses += len({row for _, row, _ in read.units})
+        self.stats.units += len(read.units)
+        self.stats.bytes += sum(block if layer < 0 else block // self._layers
+                                for _, _, layer in read.units)
+        done = set()
+        for _, row, layer in read.units:
+            b = self._block_at[row]
+            mask = self._full if layer < 0 else 1 << layer
+            self._valid[b] |= mask
+            self.pending[b] &= ~mask
+            done.add(b)
+        for b in done:
+            if not self.pending[b]:
+                del self.pending[b]
+                self._settle_row(b)
+
+    def _settle_row(self, block: int) -> None:
+        """A resident block no read is writing any more takes its place among the evictable ones
+        (as ``locate`` / ``released`` would have put it)."""
+        if self._row_of[block] < 0 or block in self.pending:
+            return
+        if block not in self.where and block not in self._in_use and (
+                self._valid[block] != self._full):  # (released meanwhile, only some layers read)
+            self._evict(block)
+        elif block in self.where or block not in self._in_use:
+            self._evictable[block] = None
+
+    def _read_failed(self, source: Hashable, units: list[tuple[int, int, int]],
+                     exc: BaseException, others: Iterable[_Read] = ()) -> None:
+        """A read of ``units`` from ``source`` failed: its blocks are lost here (``failed``), their
+        rows taken back (retired while the read, or another read of them, may still write: the
+        ones in flight and ``others``, whose units of these blocks are dropped)."""
+        lost = list(dict.fromkeys(b for b in (self._block_at[row] for _, row, _ in units)
+                                  if b >= 0))  # (a block an earlier failure took: gone already)
+        if not lost:
+            return
+        why = f"reading {len(lost)} KV blocks from {source} failed: {type(exc).__name__}: {exc}"
+        logger.error("%s", why)
+        self.failed.update(dict.fromkeys(lost, why))
+        unsettled = getattr(exc, "unsettled", False)
+        gone, shared = set(lost), set()
+        for r in [*self._reads, *others]:
+            shared.update(self._block_at[row] for _, row, _ in r.units)
+            r.units = [u for u in r.units if self._block_at[u[1]] not in gone]
+        for b in lost:
+            self.pending.pop(b, None)
+            self._evict(b, retire=unsettled or b in shared)
+        if unsettled:
+            logger.error("%d host rows may still be written by that read: retired", len(lost))
 
     def located(self, block: int) -> bool:
         """Whether a remote tier holds ``block`` (``locate``; until its last reference goes)."""
@@ -358,6 +475,8 @@ class HostCache(HostStore):
         for b in blocks:
             self._in_use.discard(b)
             self._unlocate(b)
+            if b in self.pending:  # (its row settles when the read does)
+                continue
             if self._row_of[b] >= 0 and self._valid[b] == self._full:
                 self._evictable[b] = None
                 self._evictable.move_to_end(b, last=False)  # (the least recently used now)
@@ -377,8 +496,8 @@ class HostCache(HostStore):
             self._lease_refs[lease] += 1
             if b not in self._in_use:
                 self._unused_since[b] = now
-            if self._row_of[b] >= 0:  # (just imported: the most recently used)
-                self._evictable[b] = None
+            if self._row_of[b] >= 0 and b not in self.pending:  # (just imported: the most
+                self._evictable[b] = None  # recently used)
                 self._evictable.move_to_end(b)
 
     def lease_lost(self, lease: Hashable) -> None:
@@ -427,6 +546,7 @@ class HostCache(HostStore):
         spare = np.zeros(self.num_blocks, dtype=bool)  # may go: located, in no working set
         spare[list(self.where)] = True
         spare[list(pinned)] = False
+        spare[list(self.pending)] = False
         evicted = 0
         for table, prompt_blocks in sequences:
             ids = np.asarray(table, dtype=np.int64)
@@ -453,15 +573,18 @@ class HostCache(HostStore):
                 owners[row] = b
         assert not set(owners) & (set(self._free_rows) | self._retired)
         assert len(owners) + len(self._free_rows) == self.num_physical
-        evictable = {b for b in owners.values() if b in self.where or b not in self._in_use}
+        evictable = {b for b in owners.values()
+                     if (b in self.where or b not in self._in_use) and b not in self.pending}
         assert evictable == set(self._evictable)
+        assert set(self.pending) == {self._block_at[row] for r in self._reads
+                                     for _, row, _ in r.units}
         assert all(self._block_at[row] == b for row, b in owners.items())
         assert all(self._block_at[row] == -1 for row in self._free_rows)
         for b in range(self.num_blocks):  # only a located block's row may lack layers
             if self._row_of[b] < 0:
                 assert self._valid[b] == 0, b
             else:
-                assert b in self.where or self._valid[b] == self._full, b
+                assert b in self.where or self._valid[b] == self._full or b in self.pending, b
         assert sum(self._lease_refs.values()) == len(self.where)
         assert set(self._unused_since) <= set(self.where) - self._in_use
         self.flush()

@@ -16,13 +16,30 @@ and the graph hooks ``begin_capture`` / ``end_capture(bucket)`` / ``replaying(bu
   rows (a host sync on those selections, and reads from the remote tier for evicted blocks).
 
 ``prefetch=off`` selects nothing after seeding (measurements of the foreground alone).
+
+A slow remote tier stalls only the sequences that read from it: with a decode-host cache the
+lookahead retrieval waits at most ``stall_s`` for the blocks its copies need. The copies of blocks
+still being read then are taken out of the step's copy lists and kept (*deferred*); their
+sequences sit out steps (``resume`` names them, the scheduler skips them) until ``resume``, between
+two steps, finds their blocks landed and runs the kept copies, or failed (the sequences end).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from oasiskv.kv.prefetch import PrefetchPipeline, Tail
 from oasiskv.kv.tiered import DecodeRows, TieredKV
+
+
+@dataclass
+class _Deferred:
+    """Copies of one layer kept back: ``items`` ``[3, M]`` (``WorkingSet.copy_list`` columns) and
+    the working-set slots they write."""
+    layer: int
+    items: torch.Tensor
+    slots: set[int]
 
 
 class Retrieval:
@@ -58,6 +75,15 @@ class Retrieval:
     def replaying(self, bucket: int) -> None:
         """``bucket``'s graph replays this step."""
 
+    def resume(self, lost: dict[int, str]) -> tuple[set[int], dict[int, str]]:
+        """Between steps: run the deferred copies whose blocks have landed. Returns the
+        working-set slots still waiting (their sequences sit out the next step) and those whose
+        blocks could not be read, with why (``lost``: blocks whose reads failed, with why)."""
+        return set(), {}
+
+    def forget(self, slot: int) -> None:
+        """The sequence in ``slot`` ended: nothing deferred may write its slot any more."""
+
 
 class SyncRetrieval(Retrieval):
     def before_attention(self, layer: int, q: torch.Tensor, rows: DecodeRows,
@@ -71,8 +97,12 @@ class SyncRetrieval(Retrieval):
 
 
 class LookaheadRetrieval(Retrieval):
-    def __init__(self, kv: TieredKV, prefetch: str, num_layers: int):
+    def __init__(self, kv: TieredKV, prefetch: str, num_layers: int, stall_s: float | None):
+        """``stall_s``: how long a step waits for the remote tier at most (None: until each read
+        is done or past its deadline)."""
         super().__init__(kv, prefetch)
+        self.stall_s = stall_s
+        self._deferred: list[_Deferred] = []
         probes = kv.probes
         self.pipeline = PrefetchPipeline(num_layers, kv.device, prefetch == "async", kv.stall,
                                          probes.before_copy)
@@ -113,7 +143,7 @@ class LookaheadRetrieval(Retrieval):
             plan = kv.retrieve(layer, q_next, slots, tables, complete, fetch=False, now=now)
             return kv.ws.copy_list(slots, *plan, out=out)
 
-        self.pipeline.launch(layer, select, lambda items: kv.ws.gather(layer, kv.host, items),
+        self.pipeline.launch(layer, select, lambda items: self._gather(layer, items),
                              keep=(q_next, slots, tables, complete, now))
         if (layer == kv.layout.num_layers - 1 and self.pipeline.asynchronous
                 and torch.cuda.is_current_stream_capturing()):
@@ -129,14 +159,87 @@ class LookaheadRetrieval(Retrieval):
             self.pipeline.run_captured(tail)
         self.pipeline.wait_selections()
 
+    def _gather(self, layer: int, items: torch.Tensor) -> None:
+        """``layer``'s copies; outside a capture with a decode-host cache, their blocks made
+        resident first (those still being read after ``stall_s`` deferred)."""
+        kv = self.kv
+        if kv.host.evicts and not (items.is_cuda and torch.cuda.is_current_stream_capturing()):
+            ids = items[0].tolist()
+            per_layer: list[list[int]] = [[] for _ in range(kv.layout.num_layers)]
+            per_layer[layer] = [b for b in set(ids) if b >= 0]
+            self._defer(layer, items, ids, kv.host.make_resident_layers(
+                per_layer, partial=True, stall_s=self.stall_s))
+        kv.ws.gather(layer, kv.host, items)
+
     def _make_resident(self) -> None:
         """Give the blocks the replayed selections admitted rows in the decode-host cache (reading
         those it evicted from the remote tier) before the tail copies them: the tail maps ids to
-        rows when it runs."""
+        rows when it runs. Copies of blocks still being read after ``stall_s`` are deferred."""
         self.pipeline.wait_selections()
-        wanted = torch.stack([items[0, :self._due_items] for items in self._copy_lists]).tolist()
-        self.kv.host.make_resident_layers([[b for b in set(ids) if b >= 0] for ids in wanted],
-                                          partial=True)
+        lists = [items[:, :self._due_items] for items in self._copy_lists]
+        wanted = torch.stack([items[0] for items in lists]).tolist()
+        pending = self.kv.host.make_resident_layers(
+            [[b for b in set(ids) if b >= 0] for ids in wanted], partial=True,
+            stall_s=self.stall_s)
+        if pending:
+            for layer, (items, ids) in enumerate(zip(lists, wanted)):
+                self._defer(layer, items, ids, pending)
+
+    def _defer(self, layer: int, items: torch.Tensor, ids: list[int],
+               pending: dict[int, int]) -> None:
+        """Take the copies of ``layer``'s ``items`` (block ids ``ids``) whose blocks are pending
+        at the layer out of them (id -1: skipped) and keep them."""
+        cols = [i for i, b in enumerate(ids) if b >= 0 and pending.get(b, 0) >> layer & 1]
+        if not cols:
+            return
+        idx = torch.tensor(cols, device=items.device)
+        kept = items[:, idx]
+        items[0, idx] = -1
+        self._deferred.append(_Deferred(layer, kept, set((kept[2] // self._per_slot).tolist())))
+
+    @property
+    def _per_slot(self) -> int:
+        """Flat working-set slots of one sequence at one layer (``copy_list``'s third row)."""
+        return self.kv.layout.num_kv_heads * self.kv.layout.slots
+
+    def resume(self, lost: dict[int, str]) -> tuple[set[int], dict[int, str]]:
+        if not self._deferred:
+            return set(), {}
+        host, failed, left = self.kv.host, {}, []
+        host.poll()
+        for d in self._deferred:
+            blocks = [b for b in set(d.items[0].tolist()) if b >= 0]
+            why = next((lost.get(b) or host.failed[b] for b in blocks
+                        if b in lost or b in host.failed), None)
+            if why is not None:  # (not read again: its sequences end)
+                failed.update(dict.fromkeys(d.slots, why))
+                continue
+            per_layer: list[list[int]] = [[] for _ in range(self.kv.layout.num_layers)]
+            per_layer[d.layer] = blocks  # (a block evicted since it landed is read again)
+            if host.make_resident_layers(per_layer, partial=True, stall_s=0.0):
+                left.append(d)
+                continue
+            bad = [b for b in blocks if not host.holds(b, d.layer)]
+            if bad:
+                why = lost.get(bad[0]) or host.failed.get(bad[0]) or (
+                    f"KV block {bad[0]} could not be read from the remote tier")
+                failed.update(dict.fromkeys(d.slots, why))
+            else:
+                self.kv.ws.gather(d.layer, host, d.items)
+        self._deferred = left
+        for slot in failed:
+            self.forget(slot)
+        return set().union(*(d.slots for d in self._deferred)), failed
+
+    def forget(self, slot: int) -> None:
+        left = []
+        for d in self._deferred:
+            if slot in d.slots:
+                keep = d.items[2] // self._per_slot != slot
+                d.items, d.slots = d.items[:, keep], d.slots - {slot}
+            if d.slots:
+                left.append(d)
+        self._deferred = left
 
     def begin_capture(self) -> None:
         self.pipeline.join()

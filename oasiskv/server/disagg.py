@@ -66,7 +66,9 @@ instead of releasing it (renewed with ``POST /v1/kv/renew`` every ``RENEW_S`` se
 ``LRU_PERIOD`` decode steps an LRU pass brings each running request down to ``F * P + F_gen``
 resident blocks (prompt blocks only, never one a working set holds); a block a selection wants
 that is not resident is read again, only at the layers selections want it (one NIXL transfer
-per worker, on the engine thread, before the step's copies into HBM). A lease is released once no
+per worker, on the engine thread, before the step's copies into HBM; a step waits
+``--remote-stall-ms`` at most, then the requests still waiting for their blocks sit out steps until
+they land). A lease is released once no
 block names it (its requests ended, or ``IMPORT_GRACE_S`` seconds after the import when its
 request never took the blocks: failed first, or still queued). A failed read ends the requests
 whose blocks it was reading, with an error; the others go on. A lease a worker no longer knows
@@ -90,7 +92,8 @@ prefilled here); (prefill and memory worker) ``oasiskv_pd_leases`` and
 ``oasiskv_pd_blocks_exported``; (prefill worker) ``oasiskv_pd_blocks_offloaded{worker}`` and
 ``oasiskv_pd_prefix_blocks_fetched{worker}``; (memory worker) ``oasiskv_pd_blocks_stored`` /
 ``oasiskv_pd_blocks_kept`` (read from an offloading worker, or already held); (decode worker with
-``--f-host`` < 1) ``oasiskv_pd_cache_hits`` / ``_misses`` / ``_evictions`` (blocks) and
+``--f-host`` < 1) ``oasiskv_pd_cache_hits`` / ``_misses`` / ``_evictions`` (blocks),
+``oasiskv_pd_cache_deferred_reads`` and
 ``oasiskv_pd_cache_rows_in_use`` / ``_rows``, and per worker ``oasiskv_pd_cache_reads``,
 ``_read_bytes``, ``_read_failures`` and the ``oasiskv_pd_cache_read_seconds`` histogram.
 """
@@ -110,7 +113,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from oasiskv.kv.exchange import Import, KVExchange, NoRoom
 from oasiskv.kv.host_cache import HostCache
-from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore
+from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore, Transfer
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.server.async_engine import AsyncEngine
 from oasiskv.server.errors import APIError
@@ -623,9 +626,29 @@ class _Leases:
         return False
 
 
+class _CacheRead:
+    """One ``_CacheReader`` transfer (``kv.host_cache.PendingRead``), counted when it ends."""
+
+    def __init__(self, owner: "_CacheReader", url: str, transfer: Transfer, start: float,
+                 nbytes: int):
+        self.owner, self.url, self.transfer, self.start, self.nbytes = (owner, url, transfer,
+                                                                        start, nbytes)
+
+    def done(self) -> bool:
+        try:
+            if not self.transfer.done():
+                self.transfer.check_deadline()
+                return False
+        except BaseException as exc:
+            self.owner.failed(self.url, exc, self.transfer)
+            raise
+        self.owner.landed(self.url, self.start, self.nbytes)
+        return True
+
+
 class _CacheReader:
     """The decode-host cache's remote tier (``kv.host_cache.RemoteTier``): (block, layer) units
-    read on the engine thread, in one transfer per worker (``source``: its URL) waited for until the
+    read on the engine thread, in one transfer per worker (``source``: its URL) polled until the
     deadline, with a NIXL agent of its own (the admission reader belongs to the event loop's
     thread); each read counted per worker on /metrics. A worker whose read failed is not tried
     again for ``PROBE_S`` seconds (its reads fail at once: a dead worker must not cost every step
@@ -645,19 +668,19 @@ class _CacheReader:
         self._failures = Counter("oasiskv_pd_cache_read_failures", "Decode-host cache reads "
                                  "that failed or timed out", by_worker, registry=registry)
         self._latency = Histogram("oasiskv_pd_cache_read_seconds", "A decode-host cache read, "
-                                  "from its start to its completion (the engine waits for it)",
+                                  "from its start to its completion",
                                   by_worker, buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01,
                                                       0.025, 0.05, 0.1, 0.25, 1.0),
                                   registry=registry)
 
-    def read(self, source: tuple[str, str], remote_blocks: list[int], rows: list[int],
-             layers: list[int]) -> None:
+    def start(self, source: tuple[str, str], remote_blocks: list[int], rows: list[int],
+              layers: list[int]) -> "_CacheRead":
         """``source``: (the worker's URL, its NIXL agent when the blocks were imported: a worker
         that restarted since has none of them)."""
         url, agent = source
-        start, transfer, moved = time.monotonic(), None, self.reader.stats.bytes
+        start, moved = time.monotonic(), self.reader.stats.bytes
         self._reads.labels(url).inc()
-        failures = self._failures.labels(url)  # (the series shows from the first read on)
+        self._failures.labels(url)  # (the series shows from the first read on)
         try:
             since = start - self._failed_at.get(url, -PROBE_S)
             if since < PROBE_S:
@@ -667,14 +690,22 @@ class _CacheReader:
                 if descriptor is None or self.reader.connect(descriptor) != agent:
                     raise RemoteReadError(f"{url} restarted: the KV it held is gone")
             transfer = self.reader.read(agent, remote_blocks, rows, layers)
-            transfer.wait()
         except BaseException as exc:
-            failures.inc()
-            self._failed_at[url] = time.monotonic()
-            exc.unsettled = transfer is not None and not transfer.settled
+            self.failed(url, exc, None)
             raise
+        # (the transport counts a transfer's bytes when it starts)
+        return _CacheRead(self, url, transfer, start, self.reader.stats.bytes - moved)
+
+    def failed(self, url: str, exc: BaseException, transfer: Transfer | None) -> None:
+        """A read from ``url`` failed: counted, the worker not tried for ``PROBE_S`` seconds,
+        ``exc.unsettled`` set (the transfer may still write)."""
+        self._failures.labels(url).inc()
+        self._failed_at[url] = time.monotonic()
+        exc.unsettled = transfer is not None and not transfer.settled
+
+    def landed(self, url: str, start: float, nbytes: int) -> None:
         self._latency.labels(url).observe(time.monotonic() - start)
-        self._bytes.labels(url).inc(self.reader.stats.bytes - moved)  # (the transport's count)
+        self._bytes.labels(url).inc(nbytes)
 
     def close(self) -> None:
         self.reader.close()
@@ -691,7 +722,9 @@ class _CacheCollector:
         for name, doc, value in (
                 ("hits", "Prompt blocks the decode-host cache held when they were read", s.hits),
                 ("misses", "Prompt blocks it read again from the remote tier", s.misses),
-                ("evictions", "Host rows it took back (LRU)", s.evictions)):
+                ("evictions", "Host rows it took back (LRU)", s.evictions),
+                ("deferred_reads", "Reads still running when a step stopped waiting for them "
+                 "(--remote-stall-ms): their requests sat out steps", s.deferred)):
             yield CounterMetricFamily(f"oasiskv_pd_cache_{name}", doc, value=value)
         yield GaugeMetricFamily("oasiskv_pd_cache_rows_in_use", "Host rows holding a block",
                                 value=self.cache.rows_in_use)

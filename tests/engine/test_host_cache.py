@@ -57,6 +57,39 @@ def test_a_lost_remote_tier_ends_only_the_requests_whose_blocks_it_held(tiny):
     host.check_invariants()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_slow_remote_tier_holds_back_only_the_requests_that_read_from_it(tiny, device):
+    """Reads of prompt 1's blocks take 0.3 s (copied only then): each step waits for them 2 ms at
+    most, then request 1 sits out steps until its blocks land while the others go on; every
+    request decodes the tokens of a decode host that keeps all its blocks (on a GPU the copies
+    are taken out of a replayed graph's tail, on the CPU out of the eager step's gathers)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    batch = prompts(3, lo=500, hi=700, seed=21)
+    want = [o.token_ids for o in decode_imported(str(tiny), batch, GREEDY, 1.0, device=device,
+                                                 **TIER).outputs]
+    run = decode_imported(str(tiny), batch, GREEDY, 0.25, device=device,
+                          slow={"prompt-1": 0.3}, **TIER)
+    assert [o.token_ids for o in run.outputs] == want
+    last = max(i for i, ids in enumerate(run.progress) if "1" in ids)
+    others_only = [i for i in range(last) if run.progress[i] and "1" not in run.progress[i]]
+    assert run.host.stats.deferred > 0 and len(others_only) > 5
+    run.host.check_invariants()
+
+
+def test_a_remote_read_past_its_deadline_ends_only_its_request(tiny):
+    """Reads of prompt 1's blocks never complete: request 1 ends with the read's error when it
+    passes the tier's deadline (2 s); the others decode their tokens meanwhile and after."""
+    batch = prompts(3, lo=500, hi=700, seed=21)
+    want = [o.token_ids for o in decode_imported(str(tiny), batch, GREEDY, 1.0, **TIER).outputs]
+    run = decode_imported(str(tiny), batch, GREEDY, 0.25, slow={"prompt-1": 1e9}, **TIER)
+    got = run.outputs
+    assert got[1].finish_reason == "error" and "did not complete in time" in got[1].error
+    assert [got[i].token_ids for i in (0, 2)] == [want[i] for i in (0, 2)]
+    assert not run.host.where and sorted(run.idle) == [0, 1, 2]
+    run.host.check_invariants()
+
+
 def test_the_lru_pass_keeps_the_budget_and_spares_working_sets(tiny):
     layout = TieredLayout(1, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
     host = HostCache(layout, 64, False, 32, torch.device("cpu"), 0.25)
@@ -74,22 +107,43 @@ def test_the_lru_pass_keeps_the_budget_and_spares_working_sets(tiny):
     host.check_invariants()
 
 
+class Done:
+    """A read that completed when it started."""
+
+    def done(self) -> bool:
+        return True
+
+
 def test_random_use_keeps_the_cache_consistent():
-    """Random takes, shares, frees, locations, reads (whole blocks or one of two layers) and LRU
-    passes against a 12-row cache of 48 ids: rows and ids stay one to one, every layer a caller
-    asked for holds its block's contents, and a block nobody can read again (unlocated, in use) is
-    never evicted."""
+    """Random takes, shares, frees, locations, reads (whole blocks or one of two layers; half of
+    them complete only a few polls later, and copy only then) and LRU passes against a 12-row
+    cache of 48 ids, callers that wait for their reads and callers that do not: rows and ids stay
+    one to one, every layer a caller asked for holds its block's contents unless it was told the
+    layer is still pending, and a block nobody can read again (unlocated, in use) is never
+    evicted."""
     rng = random.Random(0)
     layout = TieredLayout(2, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
     host = HostCache(layout, 48, False, 12, torch.device("cpu"), 0.5)
     alloc = TieredAllocator(48, 4, 16, host=host)
     remote = torch.arange(1000, 1048, dtype=torch.float32)  # block b's contents there: 1000 + b
 
-    class Tier:
-        def read(self, source, remote_blocks, rows, layers):
-            assert source == "peer"
-            for b, row, layer in zip(remote_blocks, rows, layers):
+    class Read:
+        def __init__(self, units):
+            self.units, self.polls = units, rng.choice([0, 0, 1, 3])
+
+        def done(self):
+            if self.polls:
+                self.polls -= 1
+                return False
+            for b, row, layer in self.units:
                 host.k[row, max(layer, 0):None if layer < 0 else layer + 1] = remote[b]
+            self.units = []
+            return True
+
+    class Tier:
+        def start(self, source, remote_blocks, rows, layers):
+            assert source == "peer"
+            return Read(list(zip(remote_blocks, rows, layers)))
 
     host.reader = Tier()
     content = {}  # resident block -> what its row must hold
@@ -112,10 +166,20 @@ def test_random_use_keeps_the_cache_consistent():
                 alloc.release(tables.pop(rng.randrange(len(tables))))
             elif op < 0.8 and tables:
                 table, layer = rng.choice(tables), rng.choice([None, 0, 1])
-                host.make_resident(table, layer)
-                for b in table:
-                    got = host.k[host._row_of[b], layer or 0:None if layer is None else layer + 1]
-                    assert (got == content[b]).all(), b
+                pending = {}
+                if rng.random() < 0.5:  # waits for what it reads
+                    host.make_resident(table, layer)
+                else:  # does not
+                    pending = host.make_resident_layers(
+                        [table if layer in (None, i) else [] for i in range(2)], partial=True,
+                        stall_s=0.0)
+                    host.take_failed()  # (more blocks than rows: those without one failed)
+                for b in filter(host.resident, table):
+                    for i in (0, 1) if layer is None else (layer,):
+                        if not pending.get(b, 0) >> i & 1:
+                            assert (host.k[host._row_of[b], i] == content[b]).all(), (b, i)
+            elif op < 0.85:
+                host.poll()
             elif tables:
                 host.enforce_budgets([(t, len(t)) for t in tables], set())
         except (RuntimeError, NoHostRows):
@@ -139,8 +203,8 @@ def test_more_blocks_at_once_than_rows_fail_those_blocks_not_the_caller():
     host.locate(blocks, blocks, "peer", "lease")
 
     class Tier:
-        def read(self, source, remote_blocks, rows, layers):
-            pass
+        def start(self, source, remote_blocks, rows, layers):
+            return Done()
 
     host.reader = Tier()
     host.enforce_budgets([(blocks, 4)], set())  # 2 of 4 evicted
@@ -166,8 +230,9 @@ def test_a_refusal_changes_nothing_and_a_lost_lease_is_not_read_again():
     reads = []
 
     class Tier:
-        def read(self, source, remote_blocks, rows, layers):
+        def start(self, source, remote_blocks, rows, layers):
             reads.append((source, list(remote_blocks), list(layers)))
+            return Done()
 
     host.reader = Tier()
     kept, lost = alloc.hold_new(2), alloc.hold_new(2)

@@ -27,16 +27,23 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, log_path: Path, *flags: str, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve",
-               "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN),
-               "--num-kv-blocks", str(NUM_KV_BLOCKS), *flags]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        self._wait_healthy()
+        for attempt in range(3):  # the free port may be taken before the server binds it (e.g.
+            self.port = free_port()  # by another process's NIXL listener): then another one
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve",
+                   "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN),
+                   "--num-kv-blocks", str(NUM_KV_BLOCKS), *flags]
+            self.log = open(log_path, "w")
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})})
+            try:
+                self._wait_healthy()
+                return
+            except RuntimeError:
+                if attempt == 2 or "address already in use" not in log_path.read_text():
+                    raise
+                self.log.close()
 
     def _wait_healthy(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout

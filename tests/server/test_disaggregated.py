@@ -385,16 +385,18 @@ def test_a_bounded_decode_host_reads_evicted_blocks_again(launch, fixtures_path)
     a selection wants them. It answers as a decode worker that keeps every block (same import, K
     = 2, so selections move); its reads, misses and evictions are on /metrics, the reads in
     units of a layer of a block, as selections want them; its leases are held while the requests
-    run and released after. When the prefill worker dies mid-decode, the requests whose blocks it
-    held end with an error once they need one of them again; a request with nothing there goes on
-    to its last token, and the decode worker stays up with every block free."""
+    run and released after. It never waits for a read (--remote-stall-ms 0): a request whose
+    blocks are still being read sits out steps until they land. When the prefill worker dies
+    mid-decode, the requests whose blocks it held end with an error once they need one of them
+    again; a request with nothing there goes on to its last token, and the decode worker stays up
+    with every block free."""
     rng = random.Random(9)
     prompts = [[rng.randrange(5, 4000) for _ in range(1000)] for _ in range(3)]
     flags = ("--topk-blocks", "2", "--draft", "ngram", "--host-kv-gib", "0.05")
     prefill = launch("prefill", *flags, "--role", "prefill")
     full = launch("decode-full", *flags, "--role", "decode", "--prefill-url", prefill.url)
     cache = launch("decode-cache", *flags, "--role", "decode", "--prefill-url", prefill.url,
-                   "--f-host", "0.25")
+                   "--f-host", "0.25", "--remote-stall-ms", "0")
     want = [answer(complete(full, ids, 48)) for ids in prompts]
     assert released(prefill)
     with ThreadPoolExecutor(3) as pool:
@@ -403,6 +405,7 @@ def test_a_bounded_decode_host_reads_evicted_blocks_again(launch, fixtures_path)
     m = pd_metrics(cache)
     assert m["oasiskv_pd_cache_evictions_total"] > 0 and m["oasiskv_pd_cache_misses_total"] > 0
     assert m["oasiskv_pd_cache_hits_total"] > 0
+    assert m["oasiskv_pd_cache_deferred_reads_total"] > 0  # (a NIXL read takes longer than 0 ms)
     # read again per (block, layer) unit a selection wanted: at most the whole blocks
     layers = json.loads((fixtures_path / "target" / "config.json").read_text())[
         "num_hidden_layers"]
