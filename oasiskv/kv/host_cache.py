@@ -227,7 +227,7 @@ class HostCache(HostStore):
                               "is gone")
             del want[b]
             if self._row_of[b] >= 0:
-                self._evict(b)
+                self._evict(b, retire=self._drop_reads(b))
         blocks = list(want)
         self.touch(blocks)
         missing = [b for b in blocks if self._row_of[b] < 0]
@@ -369,15 +369,20 @@ class HostCache(HostStore):
         logger.error("%s", why)
         self.failed.update(dict.fromkeys(lost, why))
         unsettled = getattr(exc, "unsettled", False)
-        gone, shared = set(lost), set()
-        for r in [*self._reads, *others]:
-            shared.update(self._block_at[row] for _, row, _ in r.units)
-            r.units = [u for u in r.units if self._block_at[u[1]] not in gone]
         for b in lost:
-            self.pending.pop(b, None)
-            self._evict(b, retire=unsettled or b in shared)
+            self._evict(b, retire=self._drop_reads(b, others) or unsettled)
         if unsettled:
             logger.error("%d host rows may still be written by that read: retired", len(lost))
+
+    def _drop_reads(self, block: int, others: Iterable[_Read] = ()) -> bool:
+        """Take ``block``'s units out of the reads in flight (and ``others``); whether one had any
+        (then its row may still be written)."""
+        self.pending.pop(block, None)
+        had = False
+        for r in [*self._reads, *others]:
+            kept = [u for u in r.units if self._block_at[u[1]] != block]
+            had, r.units = had or len(kept) < len(r.units), kept
+        return had
 
     def located(self, block: int) -> bool:
         """Whether a remote tier holds ``block`` (``locate``; until its last reference goes)."""

@@ -116,11 +116,11 @@ class Done:
 
 def test_random_use_keeps_the_cache_consistent():
     """Random takes, shares, frees, locations, reads (whole blocks or one of two layers; half of
-    them complete only a few polls later, and copy only then) and LRU passes against a 12-row
-    cache of 48 ids, callers that wait for their reads and callers that do not: rows and ids stay
-    one to one, every layer a caller asked for holds its block's contents unless it was told the
-    layer is still pending, and a block nobody can read again (unlocated, in use) is never
-    evicted."""
+    them complete only a few polls later, and copy only then; some fail, some of those still
+    writing), lost leases and LRU passes against a 12-row cache of 48 ids, callers that wait for
+    their reads and callers that do not: rows and ids stay one to one, every layer a caller asked
+    for holds its block's contents unless it was told the layer is still pending (or its read
+    failed), and a block nobody can read again (unlocated, in use) is never evicted."""
     rng = random.Random(0)
     layout = TieredLayout(2, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
     host = HostCache(layout, 48, False, 12, torch.device("cpu"), 0.5)
@@ -135,6 +135,10 @@ def test_random_use_keeps_the_cache_consistent():
             if self.polls:
                 self.polls -= 1
                 return False
+            if rng.random() < 0.05:
+                exc = ConnectionError("peer gone")
+                exc.unsettled = rng.random() < 0.5
+                raise exc
             for b, row, layer in self.units:
                 host.k[row, max(layer, 0):None if layer < 0 else layer + 1] = remote[b]
             self.units = []
@@ -180,6 +184,8 @@ def test_random_use_keeps_the_cache_consistent():
                             assert (host.k[host._row_of[b], i] == content[b]).all(), (b, i)
             elif op < 0.85:
                 host.poll()
+            elif op < 0.86:
+                host.lease_lost(rng.randint(0, 2))
             elif tables:
                 host.enforce_budgets([(t, len(t)) for t in tables], set())
         except (RuntimeError, NoHostRows):
