@@ -155,8 +155,8 @@ class SparseBackend(AttentionBackend):
             self.allocator.slot_of[seq.seq_id] = slot
 
     def drop_sequence(self, seq: Sequence) -> None:
-        self.allocator.slot_of.pop(seq.seq_id, None)
         self._release(seq)
+        self.allocator.slot_of.pop(seq.seq_id, None)
 
     # ---- one step --------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepPlan:
@@ -234,7 +234,12 @@ class SparseBackend(AttentionBackend):
         return out
 
     def held_back(self) -> tuple[set[int], dict[int, str]]:
-        waiting, failed = self.retrieval.resume(self._lost)
+        try:
+            waiting, failed = self.retrieval.resume(self._lost)
+        except Exception as exc:  # (the sequences it was for end; the engine and others go on)
+            logger.exception("running deferred KV copies failed")
+            waiting, failed = set(), dict.fromkeys(self.retrieval.abandon(),
+                                                   f"{type(exc).__name__}: {exc}")
         self._lost = {}
         if not waiting and not failed:
             return set(), {}

@@ -220,7 +220,7 @@ class HostCache(HostStore):
                 stall_s: float | None) -> dict[int, int]:
         """``make_resident_layers`` for ``want``: block -> mask of the layers wanted."""
         if self._reads:  # (a caller that cannot wait less waits for the units it needs)
-            self._settle(time.monotonic() if stall_s is not None else None, set(want))
+            self._settle(time.monotonic() if stall_s is not None else None, want)
         for b in [b for b in want if b in self.where and self.where[b].lease in self._lost
                   and want[b] & ~self._valid[b]]:  # (their bytes are gone: no row, no read)
             self.failed[b] = (f"the lease on {self.where[b].source} that kept this block's KV "
@@ -296,17 +296,17 @@ class HostCache(HostStore):
         self._reads += started
         if self._reads:
             until = None if stall_s is None else time.monotonic() + stall_s
-            self._settle(until, set(want) if stall_s is None else None)
+            self._settle(until, want)
             left = {id(r) for r in self._reads}
             self.stats.deferred += sum(id(r) in left for r in started)
         self.flush()
         return {b: mask & self.pending[b] for b, mask in want.items()
                 if mask & self.pending.get(b, 0)}
 
-    def _settle(self, until: float | None, need: set[int] | None) -> None:
+    def _settle(self, until: float | None, need: dict[int, int] | None) -> None:
         """Poll the reads in flight, settling those that finished or failed, until none is left,
-        or (``need``) none is left that reads one of those blocks, or ``until`` (monotonic s;
-        None: no limit, each read ends by its own deadline) passes."""
+        or (``need``: block -> layer mask) none is left that reads one of those units, or
+        ``until`` (monotonic s; None: no limit, each read ends by its own deadline) passes."""
         while True:
             left, landed, failed = [], [], []
             for read in self._reads:
@@ -321,8 +321,9 @@ class HostCache(HostStore):
                 self._read_failed(read.source, read.units, exc, [r for r, _ in failed[i + 1:]])
             left = self._reads
             if (not left or until is not None and time.monotonic() >= until
-                    or need is not None and not any(self._block_at[row] in need
-                                                    for r in left for _, row, _ in r.units)):
+                    or need is not None and not any(
+                        need.get(self._block_at[row], 0) & (self._full if layer < 0 else 1 << layer)
+                        for r in left for _, row, layer in r.units)):
                 return
             time.sleep(_POLL_S)
 
@@ -462,6 +463,9 @@ class HostCache(HostStore):
         if fresh:
             for b in blocks:
                 self._unlocate(b)
+                self.failed.pop(b, None)  # (an earlier life's)
+                if b in self.pending:  # an earlier life's read: not waited for, its row retired
+                    self._evict(b, retire=self._drop_reads(b))
             self._in_use.update(blocks)
             for b in blocks:
                 self._evictable.pop(b, None)
@@ -480,7 +484,8 @@ class HostCache(HostStore):
         for b in blocks:
             self._in_use.discard(b)
             self._unlocate(b)
-            if b in self.pending:  # (its row settles when the read does)
+            if b in self.pending:  # (its row settles when the read does; its contents, read
+                self.on_forget(b)  # while its lease may go, are no one's to reuse)
                 continue
             if self._row_of[b] >= 0 and self._valid[b] == self._full:
                 self._evictable[b] = None

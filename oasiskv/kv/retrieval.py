@@ -35,11 +35,11 @@ from oasiskv.kv.tiered import DecodeRows, TieredKV
 
 @dataclass
 class _Deferred:
-    """Copies of one layer kept back: ``items`` ``[3, M]`` (``WorkingSet.copy_list`` columns) and
-    the working-set slots they write."""
+    """Copies of one layer into one sequence's working-set slot kept back: ``items`` ``[3, M]``
+    (``WorkingSet.copy_list`` columns)."""
     layer: int
+    slot: int
     items: torch.Tensor
-    slots: set[int]
 
 
 class Retrieval:
@@ -80,6 +80,10 @@ class Retrieval:
         working-set slots still waiting (their sequences sit out the next step) and those whose
         blocks could not be read, with why (``lost``: blocks whose reads failed, with why)."""
         return set(), {}
+
+    def abandon(self) -> set[int]:
+        """Drop every deferred copy (``resume`` failed); returns the slots they were for."""
+        return set()
 
     def forget(self, slot: int) -> None:
         """The sequence in ``slot`` ended: nothing deferred may write its slot any more."""
@@ -195,7 +199,9 @@ class LookaheadRetrieval(Retrieval):
         idx = torch.tensor(cols, device=items.device)
         kept = items[:, idx]
         items[0, idx] = -1
-        self._deferred.append(_Deferred(layer, kept, set((kept[2] // self._per_slot).tolist())))
+        slots = kept[2] // self._per_slot
+        for slot in sorted(set(slots.tolist())):  # (each sequence waits for its own blocks only)
+            self._deferred.append(_Deferred(layer, slot, kept[:, slots == slot]))
 
     @property
     def _per_slot(self) -> int:
@@ -211,8 +217,8 @@ class LookaheadRetrieval(Retrieval):
             blocks = [b for b in set(d.items[0].tolist()) if b >= 0]
             why = next((lost.get(b) or host.failed[b] for b in blocks
                         if b in lost or b in host.failed), None)
-            if why is not None:  # (not read again: its sequences end)
-                failed.update(dict.fromkeys(d.slots, why))
+            if why is not None:  # (not read again: its sequence ends)
+                failed[d.slot] = why
                 continue
             per_layer: list[list[int]] = [[] for _ in range(self.kv.layout.num_layers)]
             per_layer[d.layer] = blocks  # (a block evicted since it landed is read again)
@@ -221,25 +227,19 @@ class LookaheadRetrieval(Retrieval):
                 continue
             bad = [b for b in blocks if not host.holds(b, d.layer)]
             if bad:
-                why = lost.get(bad[0]) or host.failed.get(bad[0]) or (
+                failed[d.slot] = lost.get(bad[0]) or host.failed.get(bad[0]) or (
                     f"KV block {bad[0]} could not be read from the remote tier")
-                failed.update(dict.fromkeys(d.slots, why))
             else:
                 self.kv.ws.gather(d.layer, host, d.items)
-        self._deferred = left
-        for slot in failed:
-            self.forget(slot)
-        return set().union(*(d.slots for d in self._deferred)), failed
+        self._deferred = [d for d in left if d.slot not in failed]
+        return {d.slot for d in self._deferred}, failed
+
+    def abandon(self) -> set[int]:
+        slots, self._deferred = {d.slot for d in self._deferred}, []
+        return slots
 
     def forget(self, slot: int) -> None:
-        left = []
-        for d in self._deferred:
-            if slot in d.slots:
-                keep = d.items[2] // self._per_slot != slot
-                d.items, d.slots = d.items[:, keep], d.slots - {slot}
-            if d.slots:
-                left.append(d)
-        self._deferred = left
+        self._deferred = [d for d in self._deferred if d.slot != slot]
 
     def begin_capture(self) -> None:
         self.pipeline.join()

@@ -5,6 +5,7 @@ bookkeeping keeps its invariants under random use. The remote tier here copies f
 engine's host store in this process (the NIXL transport has its own tests, and the server tests run
 the two together)."""
 import random
+import time
 
 import pytest
 import torch
@@ -300,4 +301,45 @@ def test_blocks_located_for_a_request_that_never_took_them_let_their_lease_go():
     host.check_invariants()
     alloc.release(taken)
     assert idle == ["lease"] and not host.where
+    host.check_invariants()
+
+
+def test_a_block_let_go_while_its_read_is_in_flight_is_never_used_stale():
+    """A request ends while one of its blocks is still being read (its step stopped waiting): the
+    block leaves the prefix cache at once (its lease may go before the read ends), and when its id
+    is handed out again the new block neither waits for the old read nor inherits its failure;
+    the old read's row is retired (it may still write there)."""
+    layout = TieredLayout(2, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
+    host = HostCache(layout, 32, False, 8, torch.device("cpu"), 0.5)
+    alloc = TieredAllocator(32, 2, 16, host=host)
+    landed = []
+
+    class Never:
+        def done(self):
+            if landed:
+                raise ConnectionError("peer gone")
+            return False
+
+    class Tier:
+        def start(self, source, remote_blocks, rows, layers):
+            return Never()
+
+    host.reader = Tier()
+    blocks = alloc.hold_new(2)
+    host.locate(blocks, [0, 1], "peer", "lease")
+    host.enforce_budgets([(blocks, 2)], set())  # one of the two evicted
+    (gone,) = [b for b in blocks if not host.resident(b)]
+    alloc.register(gone, 1234)
+    assert host.make_resident_layers([[gone], []], stall_s=0.0) == {gone: 1}
+    alloc.release(blocks)
+    assert gone not in alloc.block_hash and gone in host.pending
+    rows = host.num_physical
+    start = time.monotonic()
+    host.taken([gone], fresh=True)
+    assert time.monotonic() - start < 0.5 and gone not in host.pending and host.resident(gone)
+    assert host.num_physical == rows - 1  # (the old read's row)
+    landed.append(True)
+    host.poll()
+    assert not host.take_failed()
+    host.released([gone])
     host.check_invariants()
