@@ -35,7 +35,8 @@ class EmulatedHostStore(HostStore):
                        "only: KV contents are shared between requests)", self.num_blocks,
                        self.num_physical)
 
-    def physical_blocks(self, ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+    def physical_blocks(self, ids: torch.Tensor, layer: int | None = None,
+                        ensure: bool = True) -> torch.Tensor:
         return torch.where(ids >= 0, ids % self.num_physical, ids)
 
     def rows_of(self, ids: list[int]) -> list[int]:

@@ -152,8 +152,9 @@ class HostCache(HostStore):
                     self.num_physical, f_host)
 
     # ---- what a step reads and writes --------------------------------------------------------
-    def physical_blocks(self, ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        if not self._capturing():
+    def physical_blocks(self, ids: torch.Tensor, layer: int | None = None,
+                        ensure: bool = True) -> torch.Tensor:
+        if ensure and not self._capturing():
             self.make_resident(ids[ids >= 0].unique().tolist(), layer, partial=True)
         return torch.where(ids >= 0, self.rows[ids.clamp(min=0)], ids)
 

@@ -55,9 +55,11 @@ class HostStore:
         in, each ``[num_blocks, num_layers, ...]`` (a remote tier's descriptors keep this order)."""
         return [self.k, self.v, *(self.scales or ())]
 
-    def physical_blocks(self, ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+    def physical_blocks(self, ids: torch.Tensor, layer: int | None = None,
+                        ensure: bool = True) -> torch.Tensor:
         """Host block ids (negative = none) -> rows of ``k``/``v``, whose bytes at ``layer``
-        (None: every layer) the caller reads."""
+        (None: every layer) the caller reads (``ensure`` False: the caller made them resident
+        already)."""
         return ids
 
     def rows_of(self, ids: list[int]) -> list[int]:

@@ -167,13 +167,15 @@ class LookaheadRetrieval(Retrieval):
         """``layer``'s copies; outside a capture with a decode-host cache, their blocks made
         resident first (those still being read after ``stall_s`` deferred)."""
         kv = self.kv
-        if kv.host.evicts and not (items.is_cuda and torch.cuda.is_current_stream_capturing()):
+        resident = kv.host.evicts and not (items.is_cuda
+                                           and torch.cuda.is_current_stream_capturing())
+        if resident:
             ids = items[0].tolist()
             per_layer: list[list[int]] = [[] for _ in range(kv.layout.num_layers)]
             per_layer[layer] = [b for b in set(ids) if b >= 0]
             self._defer(layer, items, ids, kv.host.make_resident_layers(
                 per_layer, partial=True, stall_s=self.stall_s))
-        kv.ws.gather(layer, kv.host, items)
+        kv.ws.gather(layer, kv.host, items, resident=resident)
 
     def _make_resident(self) -> None:
         """Give the blocks the replayed selections admitted rows in the decode-host cache (reading
@@ -230,7 +232,7 @@ class LookaheadRetrieval(Retrieval):
                 failed[d.slot] = lost.get(bad[0]) or host.failed.get(bad[0]) or (
                     f"KV block {bad[0]} could not be read from the remote tier")
             else:
-                self.kv.ws.gather(d.layer, host, d.items)
+                self.kv.ws.gather(d.layer, host, d.items, resident=True)
         self._deferred = [d for d in left if d.slot not in failed]
         return {d.slot for d in self._deferred}, failed
 

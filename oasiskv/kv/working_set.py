@@ -100,14 +100,15 @@ class WorkingSet:
         items = torch.stack([host_blocks, head, flat_dst]).view(3, -1)
         return items if out is None else out.copy_(items)
 
-    def gather(self, layer: int, host: HostStore, items: torch.Tensor) -> None:
+    def gather(self, layer: int, host: HostStore, items: torch.Tensor,
+               resident: bool = False) -> None:
         """Copy the slices of a ``copy_list`` ``[3, M]`` from the host store into ``layer``'s
-        working set."""
+        working set (``resident``: the caller made their blocks resident at the layer)."""
         ws_scales = self.scales[layer]
         scales = None if ws_scales is None else (*host.scales, *ws_scales)
         programs, in_flight = _GATHER_GRID[scales is not None]
         self._gather(host.k, host.v, layer, self.k[layer], self.v[layer],
-                     host.physical_blocks(items[0], layer), items[1], items[2],
+                     host.physical_blocks(items[0], layer, ensure=not resident), items[1], items[2],
                      num_programs=programs, items_per_iter=in_flight, scales=scales)
 
     def promote_local(self, layer: int, slots: torch.Tensor, done: torch.Tensor,

@@ -85,10 +85,10 @@ def test_a_failing_prefetch_stage_fails_its_requests_not_the_engine(tiny, monkey
     broken = {"on": True}
 
     def failing(real):
-        def call(*args):
+        def call(*args, **kwargs):
             if broken["on"]:
                 raise RuntimeError("host copy failed")
-            return real(*args)
+            return real(*args, **kwargs)
         return call
 
     monkeypatch.setattr(ws, "gather", failing(ws.gather))
