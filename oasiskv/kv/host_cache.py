@@ -186,11 +186,14 @@ class HostCache(HostStore):
         return self.num_physical - len(self._free_rows)
 
     def make_resident(self, blocks: Iterable[int], layer: int | None = None,
-                      partial: bool = False) -> None:
+                      partial: bool = False, stall_s: float | None = None) -> dict[int, int]:
         """Make ``blocks`` resident with their bytes at ``layer`` (None: every layer) in their
         rows; see ``make_resident_layers``."""
-        mask = self._full if layer is None else 1 << layer
-        self._ensure(dict.fromkeys(blocks, mask), partial, None)
+        return self._ensure(dict.fromkeys(blocks, self._unit_mask(layer)), partial, stall_s)
+
+    def _unit_mask(self, layer: int | None) -> int:
+        """The layers a unit covers: one, or every one (``None`` or -1: a whole block)."""
+        return self._full if layer is None or layer < 0 else 1 << layer
 
     def make_resident_layers(self, per_layer: list[list[int]], partial: bool = False,
                              stall_s: float | None = None) -> dict[int, int]:
@@ -291,8 +294,7 @@ class HostCache(HostStore):
             started.append(read)
             for _, row, layer in units:
                 b = self._block_at[row]
-                self.pending[b] = self.pending.get(b, 0) | (self._full if layer < 0
-                                                            else 1 << layer)
+                self.pending[b] = self.pending.get(b, 0) | self._unit_mask(layer)
                 self._evictable.pop(b, None)  # (its row is being written)
         self._reads += started
         if self._reads:
@@ -323,7 +325,7 @@ class HostCache(HostStore):
             left = self._reads
             if (not left or until is not None and time.monotonic() >= until
                     or need is not None and not any(
-                        need.get(self._block_at[row], 0) & (self._full if layer < 0 else 1 << layer)
+                        need.get(self._block_at[row], 0) & self._unit_mask(layer)
                         for r in left for _, row, layer in r.units)):
                 return
             time.sleep(_POLL_S)
@@ -338,7 +340,7 @@ class HostCache(HostStore):
         done = set()
         for _, row, layer in read.units:
             b = self._block_at[row]
-            mask = self._full if layer < 0 else 1 << layer
+            mask = self._unit_mask(layer)
             self._valid[b] |= mask
             self.pending[b] &= ~mask
             done.add(b)

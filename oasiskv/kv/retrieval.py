@@ -171,10 +171,8 @@ class LookaheadRetrieval(Retrieval):
                                            and torch.cuda.is_current_stream_capturing())
         if resident:
             ids = items[0].tolist()
-            per_layer: list[list[int]] = [[] for _ in range(kv.layout.num_layers)]
-            per_layer[layer] = [b for b in set(ids) if b >= 0]
-            self._defer(layer, items, ids, kv.host.make_resident_layers(
-                per_layer, partial=True, stall_s=self.stall_s))
+            self._defer(layer, items, ids, kv.host.make_resident(
+                [b for b in set(ids) if b >= 0], layer, partial=True, stall_s=self.stall_s))
         kv.ws.gather(layer, kv.host, items, resident=resident)
 
     def _make_resident(self) -> None:
@@ -222,9 +220,8 @@ class LookaheadRetrieval(Retrieval):
             if why is not None:  # (not read again: its sequence ends)
                 failed[d.slot] = why
                 continue
-            per_layer: list[list[int]] = [[] for _ in range(self.kv.layout.num_layers)]
-            per_layer[d.layer] = blocks  # (a block evicted since it landed is read again)
-            if host.make_resident_layers(per_layer, partial=True, stall_s=0.0):
+            # (a block evicted since it landed is read again)
+            if host.make_resident(blocks, d.layer, partial=True, stall_s=0.0):
                 left.append(d)
                 continue
             bad = [b for b in blocks if not host.holds(b, d.layer)]
