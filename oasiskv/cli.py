@@ -62,7 +62,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          f"pip install 'oasiskv[server]'")
     pd = Disaggregation(args.role, tuple(args.prefill_url), args.remote_timeout,
                         args.prefill_timeout, args.local_prefill_blocks, tuple(args.memory_url),
-                        args.offload_below_blocks)
+                        args.offload_below_blocks, args.pd_transfer)
+    if pd.transfer == "partial" and pd.role == "decode" and args.f_host >= 1.0:
+        raise SystemExit("--pd-transfer partial needs a decode-host cache (--f-host < 1): the "
+                         "prompt's blocks stay on the prefill worker until selected")
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_waiting=args.max_waiting, served_model_name=args.served_model_name,
                  max_request_bytes=args.max_request_bytes, pd=pd)
@@ -145,9 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--role prefill with --memory-url: offload a prompt's KV when fewer "
                           "than N host blocks would stay free here (default: the blocks of one "
                           "prompt of the longest length)")
-    srv.add_argument("--pd-transfer", choices=("full",), default="full",
+    srv.add_argument("--pd-transfer", choices=("full", "partial"), default="full",
                      help="what a decode worker reads at admission: 'full' = every complete "
-                          "prompt block it does not hold yet (default: full)")
+                          "prompt block it does not hold yet; 'partial' = the prompt's last "
+                          "block, its blocks' summaries and the prefill's last hidden state and "
+                          "queries: each head's first top-K blocks are read when seeded, the "
+                          "rest when selected (needs --f-host < 1) (default: full)")
     srv.add_argument("--remote-timeout", type=float, default=10.0, metavar="S",
                      help="deadline of a remote KV read and of an HTTP connection or control "
                           "message to a prefill worker, seconds (default: 10)")

@@ -1,7 +1,8 @@
 """Disaggregated serving under load: one node (``--role both``) against a prefill worker plus a
 decode worker (``--role prefill`` / ``--role decode``, prompt KV over NIXL), and optionally the
 same with a memory worker every prompt's KV is offloaded to (``--setups ...,pd-memory``), or with
-a decode-host cache on the decode worker (``pd-cache:F``: ``--f-host F``), same load.
+a decode-host cache on the decode worker (``pd-cache:F``: ``--f-host F``; ``pd-partial:F``: the
+same with partial admission, ``--pd-transfer partial``), same load.
 
 python scripts/pd_bench.py qwen3-8b --context 32768 --requests 32 --max-tokens 64 \\
     --prefill-gpu 1 --decode-gpu 0 -- --kv-mode oasis --host-kv-gib 96 --draft ngram
@@ -112,8 +113,9 @@ def run_load(args, front: Server, batch: list[list[int]]) -> dict:
     if "oasiskv_pd_admission_bytes_total" in m:
         nbytes, seconds = (m["oasiskv_pd_admission_bytes_total"],
                            m.get("oasiskv_pd_remote_read_seconds_sum", 0.0))
+        read = nbytes - m.get("oasiskv_pd_handoff_bytes_total", 0.0)  # (NIXL's part)
         point |= {"admission_gb": nbytes / 1e9, "remote_reads": m["oasiskv_pd_remote_reads_total"],
-                  "remote_gb_s": nbytes / seconds / 1e9 if seconds else None,
+                  "remote_gb_s": read / seconds / 1e9 if seconds else None,
                   "remote_read_p99_s": _histogram_p99(m, "oasiskv_pd_remote_read_seconds")}
     if "oasiskv_pd_cache_rows" in m:
         point |= {"cache_misses": m["oasiskv_pd_cache_misses_total"],
@@ -147,7 +149,8 @@ def _flags(parser) -> None:
     parser.add_argument("--setups", default="single,pd",
                         help="which setups to run, in order: single, pd, pd-memory (pd with a "
                              "memory worker that every prompt's KV is offloaded to), pd-cache:F "
-                             "(pd with --f-host F on the decode worker)")
+                             "(pd with --f-host F on the decode worker), pd-partial:F (the same "
+                             "with --pd-transfer partial)")
 
 
 def main() -> int:
@@ -159,10 +162,12 @@ def main() -> int:
         try:
             if setup == "single":
                 servers.append(Server(args, extra, args.decode_gpu))
-            elif setup in ("pd", "pd-memory") or setup.startswith("pd-cache:"):
+            elif setup in ("pd", "pd-memory") or setup.startswith(("pd-cache:", "pd-partial:")):
                 offload, cache = [], []
-                if setup.startswith("pd-cache:"):
+                if setup.startswith(("pd-cache:", "pd-partial:")):
                     cache = ["--f-host", setup.split(":", 1)[1], *shlex.split(args.decode_flags)]
+                if setup.startswith("pd-partial:"):
+                    cache += ["--pd-transfer", "partial"]
                 if setup == "pd-memory":
                     memory = Server(args, extra, args.prefill_gpu, "--role", "memory",
                                     *shlex.split(args.memory_flags))
@@ -174,7 +179,8 @@ def main() -> int:
                 servers.append(Server(args, extra, args.decode_gpu, "--role", "decode",
                                       "--prefill-url", prefill.url, *cache))
             else:
-                raise SystemExit(f"unknown setup {setup!r} (single, pd, pd-memory, pd-cache:F)")
+                raise SystemExit(f"unknown setup {setup!r} (single, pd, pd-memory, pd-cache:F, "
+                                 "pd-partial:F)")
             points[setup] = run_load(args, servers[-1], batch)
         finally:
             for s in reversed(servers):  # the front first: it lets go of its leases on the others

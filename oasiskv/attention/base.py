@@ -13,7 +13,10 @@ One step. ``prepare(batch)`` before the forward: returns a ``StepPlan`` (the bac
 metadata, which reaches ``forward`` as ``ForwardBatch.meta``, and the extra rows it wants computed);
 ``forward`` per layer; ``finish(batch)`` after the step's tokens were appended to its sequences (a
 step that raised is not finished): runs what the backend deferred past the step and returns the
-step's ``StepStats``. ``finish`` is where a backend may block on the device (its counters).
+step's ``StepStats``. ``finish`` is where a backend may block on the device (its counters). A
+``handoff`` step (prompts another engine prefilled, ``engine/handoff.py``) calls ``admit(batch)``
+in place of ``prepare`` and the forward, then ``finish``; a prefill step whose sequences have
+``hand_off`` set answers ``handoff_queries`` after its forward.
 
 CUDA graphs (decode only; a backend whose ``forward`` reads only the batch's tensors and device
 state and never syncs the host). ``init_graphs(buckets)`` returns the static ``meta`` of each
@@ -100,6 +103,19 @@ class AttentionBackend(ABC):
     def finish(self, batch: ScheduledBatch) -> StepStats:
         """The step ran and its sampled tokens are appended: run deferred work; the step's stats."""
         return StepStats()
+
+    def admit(self, batch: ScheduledBatch) -> torch.Tensor:
+        """A ``handoff`` step in place of ``prepare`` and the forward: set up the KV state of each
+        sequence from its ``Handoff`` (``engine/handoff.py``; its blocks are in its table); returns
+        their final hidden states ``[n, hidden]``. Default: no handoffs."""
+        raise NotImplementedError(f"{type(self).__name__} takes no handed-off prompts "
+                                  "(--kv-mode oasis does)")
+
+    def handoff_queries(self, index: int) -> torch.Tensor:
+        """After a prefill step's forward: row ``index``'s last prompt token's query at every layer,
+        ``[num_layers, Hq, D]`` float32 on the CPU (its sequence has ``hand_off`` set)."""
+        raise NotImplementedError(f"{type(self).__name__} hands off no prompts "
+                                  "(--kv-mode oasis does)")
 
     def held_back(self) -> tuple[set[int], dict[int, str]]:
         """Before a step is scheduled: the running sequences (ids) that sit out the next step (their

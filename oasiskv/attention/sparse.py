@@ -10,6 +10,7 @@ file wires them to the engine's calls:
 - ``prepare``: the step's ``TierStep`` (each row's working-set slot, the rows that end their
   prefill, draft rows as extra rows of a decode step) and the decode step stamp;
 - ``forward``: per layer, prefill (dense, seeding) or decode (store, retrieve, attend, promote);
+- ``admit``: a handed-off prompt's seeding from the prefilling engine's queries, no forward;
 - ``finish``: the replayed graph's deferred copies, the drafter's next guesses, the step's counters;
 - graph hooks: static ``TierStep`` per bucket (padding rows use a scratch working-set slot that is
   never handed out, so they select, fetch and summarise nothing); a step whose sequences do not
@@ -58,7 +59,7 @@ class SparseBackend(AttentionBackend):
         ranks = model.tp.size if hasattr(model, "tp") else 1
         if ranks > 1:  # each tensor-parallel rank stores its kv heads: its share of the host store
             tier = replace(tier, host_kv_gib=tier.host_kv_gib / ranks)
-        self.config, self.device = config, device
+        self.config, self.device, self.dtype = config, device, dtype
         layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                               tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype),
                               storage_dtype("fp8" if config.fp8_summaries else "auto", dtype))
@@ -184,9 +185,26 @@ class SparseBackend(AttentionBackend):
         self.kv.host.flush()  # the rows of blocks handed out since the last step
         step = plan.meta = self._eager = TierStep(tensors[0],
                                                   ends_prefill=list(batch.ends_prefill))
+        if batch.is_prefill:
+            step.queries = {i: [] for i, (seq, ends) in enumerate(zip(batch.seqs,
+                                                                      batch.ends_prefill))
+                            if ends and seq.hand_off}
         if len(tensors) > 1:
             step.draft_rows, step.draft_of = tensors[1:]
         return plan
+
+    def admit(self, batch: ScheduledBatch) -> torch.Tensor:
+        # the prompts' blocks are the sequences' own (held until now), their complete blocks'
+        # summaries written: the same seeding as a prefill that ends here
+        step = self.prepare(batch).meta
+        for i, seq in enumerate(batch.seqs):
+            table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
+            self.kv.seed_from(seq.handoff.queries.to(self.device, self.dtype), table, len(seq),
+                              step.slots[i:i + 1])
+        return torch.stack([s.handoff.hidden for s in batch.seqs]).to(self.device, self.dtype)
+
+    def handoff_queries(self, index: int) -> torch.Tensor:
+        return torch.stack(self._eager.queries[index]).cpu()
 
     def _enforce_budgets(self, seqs: list[Sequence]) -> None:
         """The decode-host cache's LRU pass over the running ``seqs``: each keeps ``f_host * P +

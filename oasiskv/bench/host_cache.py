@@ -1,13 +1,16 @@
 """How a decode-host cache (``--f-host``) behaves on a trained model, on any device, in one process.
 
 ``python -m oasiskv.bench.host_cache MODEL --text HELD_OUT.json [--requests 4] [--prompt-len 4096]
-[--max-tokens 64] [--f-host 0.2,0.5] [--topk-blocks 32] [--fetch-ratio 0.05] [--draft ngram]``
+[--max-tokens 64] [--f-host 0.2,0.5] [--transfer full,partial] [--topk-blocks 32] [--fetch-ratio
+0.05] [--draft ngram]``
 
 One engine prefills each prompt (windows of held-out text) and holds its blocks, as a prefill
 worker does; a decode engine imports them as a full transfer, locates them on the first engine's
 store (``StoreTier``: the remote tier is that store, read with a copy, in this process: no NIXL)
 and decodes every prompt at once, greedy, once with every block kept (f_host 1) and once per
-``--f-host`` value. Reported per run: decode steps, the blocks read again per request per step
+``--f-host`` value and ``--transfer`` (``partial``: the prompts are handed off, ``hand_off``, and
+only their last blocks and summaries move at admission). Reported per run: the bytes moved at
+admission per request, decode steps, the blocks read again per request per step
 (misses), as GB, evictions, the hit rate of prompt blocks the steps read, the host rows in use
 per request (the most, at admission, and the mean from the first LRU pass on), and whether the
 tokens equal f_host 1's. Random weights make every head admit its full cap every step (the worst
@@ -20,7 +23,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -93,6 +96,30 @@ def copy_blocks(src: KVExchange, dst: KVExchange, src_blocks: list[int],
         y[rows] = x[torch.tensor(a.rows_of(src_blocks), dtype=torch.long)]
 
 
+def hand_off(prefill: LLM, decode: LLM, ids: list[int]) -> tuple[list[int], list[int], int]:
+    """Partial admission of one prompt (``engine/handoff.py``), as a prefill and a decode worker
+    do it: ``prefill`` runs the whole prompt and holds its blocks; ``decode`` holds blocks for it,
+    copies the last token's block, writes the summaries of the complete blocks it did not have
+    and takes the handoff. Returns (the blocks held on ``decode``, their ids on ``prefill``, the
+    bytes moved: that block and the summaries)."""
+    rid = f"handoff-{len(prefill.engine.handed_off)}-{id(ids)}"
+    prefill.engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0), rid,
+                               hand_off=True)
+    while prefill.engine.has_unfinished():
+        prefill.engine.step()
+    handoff = prefill.engine.take_handoff(rid)
+    src, dst = KVExchange(prefill.engine.runner.backend), KVExchange(decode.engine.runner.backend)
+    hashes = dst.prompt_hashes(ids)
+    first = len(hashes) - dst.uncached(hashes)
+    imp = dst.begin_handoff(hashes)
+    copy_blocks(src, dst, handoff.blocks[-1:], imp.blocks[-1:])
+    summaries = src.summaries_of(handoff.blocks[first:len(ids) // src.kv.layout.block_size])
+    blocks = dst.finish_handoff(imp, len(ids), first, summaries)
+    decode.engine.add_handoff(ids, replace(handoff, blocks=blocks))
+    moved = dst.block_bytes + sum(t.numel() * t.element_size() for t in summaries)
+    return blocks, handoff.blocks, moved
+
+
 def prefill_and_export(prefill: LLM, ids: list[int]) -> list[int]:
     """What a prefill worker does with a prompt: prefill it (a one-token greedy request), then hold
     its complete prefix blocks (``KVExchange.export``); returns them."""
@@ -111,16 +138,18 @@ class Imported:
     steps: int
     rows: list[int]
     progress: list[set[str]]
+    admission_bytes: int = 0
 
 
 def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams, f_host: float,
                     down: tuple[str, ...] = (), slow: dict[str, float] | None = None,
-                    **engine) -> Imported:
+                    partial: bool = False, **engine) -> Imported:
     """Prefill ``prompts`` on one engine, import every prompt's blocks into a decode engine (with
     ``f_host < 1`` located on the first one's store, as source ``prompt-i`` under lease ``i``;
     reads from sources in ``down`` fail, from sources in ``slow`` take that many seconds), then
-    decode them all at once there. ``engine``: the engines' settings (tiered KV, a lookahead
-    draft)."""
+    decode them all at once there. ``partial``: hand each prompt off instead (``hand_off``: only
+    its last block and summaries move at admission; needs ``f_host < 1``). ``engine``: the
+    engines' settings (tiered KV, a lookahead draft)."""
     prefill = LLM(model, **engine)
     decode = LLM(model, f_host=f_host, **engine)
     src, dst = KVExchange(prefill.engine.runner.backend), KVExchange(decode.engine.runner.backend)
@@ -130,7 +159,13 @@ def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams
         host.reader.down.update(down)
         host.reader.slow.update(slow or {})
         host.on_lease_idle = idle.append
+    moved = 0
     for lease, ids in enumerate(prompts):
+        if partial:
+            blocks, offered, nbytes = hand_off(prefill, decode, ids)
+            host.locate(blocks[:-1], offered[:-1], f"prompt-{lease}", lease)
+            moved += nbytes
+            continue
         offered = prefill_and_export(prefill, ids)
         if len(offered) < len(src.prompt_hashes(ids)):
             raise RuntimeError("the prefill engine could not hold a prompt's blocks")
@@ -138,6 +173,7 @@ def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams
         copy_blocks(src, dst, [offered[i] for i in imp.missing],
                     [imp.blocks[i] for i in imp.missing])
         dst.finish_import(imp)
+        moved += len(imp.missing) * dst.block_bytes
         if isinstance(host, HostCache):
             host.locate(imp.blocks, offered, f"prompt-{lease}", lease)
     eng, finals, rows = decode.engine, {}, []
@@ -154,7 +190,7 @@ def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams
         progress.append({out.request_id for out in outs})
     eng.allocator.check_invariants([])
     return Imported([finals[str(i)] for i in range(len(prompts))], host, idle, steps, rows,
-                    progress)
+                    progress, moved)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--f-host", default="0.2,0.5")
+    parser.add_argument("--transfer", default="full",
+                        help="full, partial or both (comma-separated)")
     parser.add_argument("--topk-blocks", type=int, default=32)
     parser.add_argument("--fetch-ratio", type=float, default=0.05)
     parser.add_argument("--draft", default="ngram")
@@ -187,11 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     full = decode_imported(args.model, prompts, params, 1.0, **engine)
     want = [o.token_ids for o in full.outputs]
     points = []
-    for f_host in [float(f) for f in args.f_host.split(",")]:
-        run = decode_imported(args.model, prompts, params, f_host, **engine)
+    runs = [(float(f), t) for f in args.f_host.split(",") for t in args.transfer.split(",")]
+    for f_host, transfer in runs:
+        run = decode_imported(args.model, prompts, params, f_host,
+                              partial=transfer == "partial", **engine)
         s, n = run.host.stats, args.requests
         same = sum(o.token_ids == w for o, w in zip(run.outputs, want))
-        points.append({"f_host": f_host, "steps": run.steps, **asdict(s),
+        points.append({"f_host": f_host, "transfer": transfer, "steps": run.steps, **asdict(s),
+                       "admission_mb_per_request": run.admission_bytes / n / 1e6,
                        "misses_per_request_step": s.misses / n / max(1, run.steps),
                        "read_gb": s.bytes / 1e9,
                        "hit_rate": s.hits / max(1, s.hits + s.misses),
@@ -201,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                            1, len(run.rows[LRU_PERIOD:-1])) / n,
                        "prompt_blocks_per_request": (args.prompt_len - 1) // lay.block_size,
                        "tokens_equal": f"{same}/{n}"})
-    print(f"{'f_host':>6} {'steps':>6} {'misses/req/step':>16} {'read GB':>8} "
+    print(f"{'f_host':>6} {'transfer':>8} {'admit MB/req':>12} {'steps':>6} "
+          f"{'misses/req/step':>16} {'read GB':>8} "
           f"{'evictions':>10} {'hit rate':>9} {'rows peak/req':>14} {'rows mean/req':>14} "
           f"{'prompt blocks/req':>18} {'tokens = f_host 1':>18}")
     for p in points:
-        print(f"{p['f_host']:6.2f} {p['steps']:6d} {p['misses_per_request_step']:16.2f} "
+        print(f"{p['f_host']:6.2f} {p['transfer']:>8} {p['admission_mb_per_request']:12.2f} "
+              f"{p['steps']:6d} {p['misses_per_request_step']:16.2f} "
               f"{p['read_gb']:8.3f} {p['evictions']:10d} {p['hit_rate']:9.3f} "
               f"{p['rows_peak_per_request']:14.1f} {p['rows_mean_per_request']:14.1f} "
               f"{p['prompt_blocks_per_request']:18d} {p['tokens_equal']:>18}")

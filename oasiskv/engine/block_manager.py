@@ -107,12 +107,31 @@ class BlockManager(KVAllocator):
             blocks.append(block)
         return blocks
 
-    def hold_new(self, n: int) -> list[int]:
+    def hold_new(self, n: int, remote: bool = False) -> list[int]:
         """Hold ``n`` free blocks (the oldest freed, their hashes forgotten), for contents written
-        from outside; raises ``RuntimeError`` when fewer are free."""
-        blocks = self._take_free(n)
+        from outside (``remote``: contents that stay on another engine's store); raises
+        ``RuntimeError`` when fewer are free."""
+        blocks = self._take_free(n, remote)
         self.held.update(blocks)
         return blocks
+
+    def hold(self, blocks: list[int]) -> None:
+        """One more hold of each of ``blocks`` (referenced ones, e.g. a live sequence's table)."""
+        for block in blocks:
+            self._take(block)
+            self.held[block] += 1
+
+    def can_adopt(self) -> bool:
+        return True
+
+    def adopt(self, seq: Sequence, blocks: list[int]) -> None:
+        assert not seq.block_table, "only a fresh sequence adopts blocks"
+        for block in blocks:
+            assert self.held[block] > 0, f"block {block} is not held"
+            self.held[block] -= 1
+            if not self.held[block]:
+                del self.held[block]
+        seq.block_table = list(blocks)
 
     def register(self, block: int, h: int) -> None:
         """Name a held block's (now complete) contents by chain hash ``h`` (kept if the hash or the
@@ -138,9 +157,10 @@ class BlockManager(KVAllocator):
                 del self.held[block]
         self._drop(blocks)
 
-    def _take_free(self, n: int) -> list[int]:
+    def _take_free(self, n: int, remote: bool = False) -> list[int]:
         """``n`` free blocks, the oldest freed first, each with one reference and its hash
-        forgotten; ``RuntimeError`` (nothing taken) when fewer are free."""
+        forgotten; ``RuntimeError`` (nothing taken) when fewer are free. ``remote``: their contents
+        stay on another engine's store (``hold_new``)."""
         if n > len(self.free_blocks):
             raise RuntimeError(f"KV pool exhausted: need {n} blocks, {len(self.free_blocks)} free")
         if not n:

@@ -45,5 +45,19 @@ class KVAllocator(ABC):
         (default 0)."""
         return 0
 
+    def can_adopt(self) -> bool:
+        """Whether a fresh sequence can ``adopt`` blocks now (default: this allocator never
+        lets it)."""
+        return False
+
+    def adopt(self, seq: Sequence, blocks: list[int]) -> None:
+        """A fresh sequence takes held ``blocks`` (another engine's prefill, ``engine/handoff.py``)
+        as its block table: each hold becomes its reference."""
+        raise NotImplementedError(f"{type(self).__name__} takes no handed-off prompts")
+
+    def release(self, blocks: list[int]) -> None:
+        """Give back one hold of each of ``blocks``."""
+        raise NotImplementedError(f"{type(self).__name__} holds no blocks")
+
     def on_computed(self, seq: Sequence) -> None:
         """Called after a step computed tokens of ``seq`` (e.g. to register completed blocks)."""

@@ -19,6 +19,7 @@ from oasiskv.attention import BackendFactory, make_backend
 from oasiskv.attention.base import StepStats
 from oasiskv.config import EngineConfig, ModelConfig
 from oasiskv.engine.detokenizer import Detokenizer
+from oasiskv.engine.handoff import Handoff, HandoffTable
 from oasiskv.engine.model_runner import ModelRunner
 from oasiskv.engine.scheduler import Scheduler
 from oasiskv.engine.sequence import Sequence, TokenLogprobs
@@ -115,6 +116,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, _Request] = {}
+        #: handoffs of prompts prefilled here for another engine, by request id (``take_handoff``)
+        self.handed_off = HandoffTable(lambda blocks: self.allocator.release(blocks))
         self._ids = itertools.count()
         self.stats = EngineStats(kv_blocks_total=self.allocator.num_total_blocks,
                                  kv_blocks_free=self.allocator.num_free_blocks)
@@ -128,23 +131,39 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True, verbose=False)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    hand_off: bool = False) -> str:
         """Queue a request; returns its id. Raises ValueError (nothing queued) on bad input.
         ``arrival_time`` (``time.monotonic()`` seconds) is when a caller received it; default
-        now."""
+        now. ``hand_off``: keep the ``Handoff`` of its prompt for another engine to decode it
+        (``take_handoff``)."""
         params = (params or SamplingParams()).validate(self.model_config.vocab_size)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(ids, params, request_id=request_id)
+        seq = Sequence(ids, params, request_id=request_id, hand_off=hand_off)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.requests[request_id] = _Request(seq, Detokenizer(self.tokenizer, ids, params.stop))
         self.scheduler.add(seq)
         self._update_queue_stats()
         return request_id
+
+    def add_handoff(self, prompt: list[int], handoff: Handoff) -> None:
+        """The request added next with token ids ``prompt`` (and no prompt logprobs) is admitted
+        from ``handoff`` (``engine/handoff.py``; its held blocks pass to the request; released
+        if no request takes it within ``HandoffTable.grace_s``)."""
+        if self.config.kv_mode != "oasis" or self.driver is not None:
+            raise ValueError("only a one-rank tiered engine (kv_mode oasis) takes handed-off "
+                             "prompts")
+        self.scheduler.handoffs.add(tuple(prompt), handoff)
+
+    def take_handoff(self, request_id: str) -> Handoff | None:
+        """The ``Handoff`` of a ``hand_off`` request whose prefill has ended (its blocks held: the
+        caller releases them, ``allocator.release``), or None (not yet, or it failed)."""
+        return self.handed_off.take(request_id)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -208,6 +227,12 @@ class LLMEngine:
         except Exception as exc:  # one bad step must not take the engine or other requests down
             logger.exception("step failed; finishing its %d requests with an error", len(batch))
             return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
+        for i, handoff in result.handoffs.items():  # (held before the request ends and frees them)
+            seq = batch.seqs[i]
+            self.allocator.hold(seq.block_table)
+            handoff.blocks = list(seq.block_table)
+            self.handed_off.add(seq.request_id, handoff)
+        self.handed_off.expire()
         self.scheduler.postprocess(batch)
         now = time.monotonic()
         for i, seq in enumerate(batch.seqs):

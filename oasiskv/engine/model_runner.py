@@ -25,6 +25,7 @@ from oasiskv.engine.block_tables import BlockTableRows
 from oasiskv.engine.cuda_graph import CudaGraphRunner
 from oasiskv.engine.forward_batch import (ForwardBatch, forward_context, to_device,
                                           to_device_many)
+from oasiskv.engine.handoff import Handoff
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence, TokenLogprobs
 from oasiskv.layers.parallel import TensorParallel, building
@@ -39,10 +40,12 @@ PROMPT_LOGITS_CHUNK = 1024
 @dataclass
 class StepResult:
     """Per scheduled sequence: the sampled token (None when a prefill chunk did not finish the
-    prompt), its logprobs when asked, and prompt logprobs computed in this step."""
+    prompt), its logprobs when asked, prompt logprobs computed in this step, and the ``Handoff``
+    of a sequence with ``hand_off`` whose prefill this step ended (its ``blocks`` still empty)."""
     tokens: list[int | None]
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    handoffs: dict[int, Handoff] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -153,11 +156,31 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, forced: list[int | None] | None = None) -> StepResult:
         """One step: forward, then the next token of every sequence whose tokens are all computed:
         sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score
-        it)."""
+        it). A ``handoff`` batch runs no forward: the backend's ``admit``."""
         if self.driver is not None:
+            if batch.handoff or any(s.hand_off for s in batch.seqs):
+                raise ValueError("a tensor-parallel engine neither takes nor hands off prompts")
             self.driver.step(batch, forced, self.backend.sequence_state)
         with self._ranks_in_step():
-            return self._sample(batch, self.forward(batch), forced)
+            if batch.handoff:
+                with self._device_scope():
+                    hidden = self.backend.admit(batch)
+            else:
+                hidden = self.forward(batch)
+            result = self._sample(batch, hidden, forced)
+            if batch.is_prefill and not batch.handoff:
+                self._hand_off(batch, hidden, result)
+            return result
+
+    def _hand_off(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult) -> None:
+        """The ``Handoff`` of each sequence with ``hand_off`` whose prefill this step ended."""
+        end = 0
+        for i, (seq, n, ends) in enumerate(zip(batch.seqs, batch.num_tokens,
+                                               batch.ends_prefill)):
+            end += n
+            if seq.hand_off and ends and not seq.output_token_ids:
+                result.handoffs[i] = Handoff(hidden[end - 1].float().cpu(),
+                                             self.backend.handoff_queries(i))
 
     @torch.inference_mode()
     def held_back(self) -> tuple[set[int], dict[int, str]]:

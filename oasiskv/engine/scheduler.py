@@ -6,12 +6,19 @@ running sequence). Prefill goes first when anything is waiting and fits. When th
 out during decode, the most recently admitted sequence is preempted: its blocks are freed and it
 goes back to the front of the waiting queue to be recomputed later. Running sequences in ``held``
 (ids; the KV backend's ``held_back``) sit out decode steps until they leave it.
+
+A waiting sequence whose prompt another engine prefilled (a ``Handoff`` in ``handoffs``,
+``engine/handoff.py``) is admitted in a step of its own, before any prefill: it adopts the
+handoff's blocks, its prompt counts as computed but for the last token, and the step (``handoff``)
+runs no forward: the backend seeds its KV state from the handoff and the first token is sampled
+from the handoff's hidden state.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from oasiskv.engine.handoff import HandoffTable
 from oasiskv.engine.kv_allocator import KVAllocator
 from oasiskv.engine.sequence import Sequence, SequenceStatus
 
@@ -23,10 +30,12 @@ class ScheduledBatch:
     Fixed when the batch is made (before the step changes its sequences): ``samples[i]``, whether
     the step computes every token of ``seqs[i]`` and so samples its next one; ``ends_prefill[i]``,
     whether it ends the sequence's prefill: all its tokens, or, for a sequence recomputed after
-    preemption (it has outputs), all but the newest, which decode computes."""
+    preemption (it has outputs), all but the newest, which decode computes. ``handoff``: every
+    sequence is admitted from its ``Handoff`` (a prefill step without a forward)."""
     seqs: list[Sequence]
     num_tokens: list[int]
     is_prefill: bool
+    handoff: bool = False
     samples: list[bool] = field(init=False)
     ends_prefill: list[bool] = field(init=False)
 
@@ -49,6 +58,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.held: set[int] = set()
         self.num_preemptions = 0
+        self.handoffs = HandoffTable(lambda blocks: self.allocator.release(blocks))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,12 +78,36 @@ class Scheduler:
         """The next step's work; None only when nothing is waiting or running, or every running
         sequence is held."""
         while True:
-            batch = self._schedule_prefill() or self._schedule_decode()
+            batch = (self._schedule_handoffs() or self._schedule_prefill()
+                     or self._schedule_decode())
             runnable = [s for s in self.running if s.seq_id not in self.held]
             if batch is not None or not runnable:
                 return batch
             # Only half-prefilled sequences remain and the pool cannot take their next chunk.
             self._preempt(runnable[-1])
+
+    def _handoff_of(self, seq: Sequence):
+        """The handoff a fresh waiting ``seq`` would be admitted from, if any."""
+        if (not self.handoffs or seq.block_table or seq.output_token_ids
+                or seq.params.prompt_logprobs is not None):
+            return None
+        return self.handoffs.peek(tuple(seq.prompt_token_ids))
+
+    def _schedule_handoffs(self) -> ScheduledBatch | None:
+        self.handoffs.expire()
+        seqs = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self._handoff_of(seq) is None or not self.allocator.can_adopt():
+                break
+            seq.handoff = self.handoffs.take(tuple(seq.prompt_token_ids))
+            self.allocator.adopt(seq, seq.handoff.blocks)
+            seq.num_computed_tokens = len(seq) - 1
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+        return ScheduledBatch(seqs, [1] * len(seqs), True, handoff=True) if seqs else None
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget, seqs, counts = self.max_num_batched_tokens, [], []
@@ -87,6 +121,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._handoff_of(seq) is not None:  # (admitted by a handoff step, in order)
+                break
             if not seq.block_table:
                 self.allocator.reuse_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
@@ -131,6 +167,7 @@ class Scheduler:
         """Record the computed tokens; the engine has already appended sampled tokens."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
+            seq.handoff = None
             self.allocator.on_computed(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -50,6 +50,10 @@ class Sequence:
     num_preemptions: int = 0
     # torch.Generator of a seeded request, made by the model runner
     sampler_generator: object = None
+    #: the ``engine/handoff.py`` Handoff this sequence is admitted from (until its admission step)
+    handoff: object = None
+    #: keep a Handoff of this prompt when its prefill ends (``LLMEngine.take_handoff``)
+    hand_off: bool = False
 
     def __post_init__(self):
         # all tokens, grows

@@ -67,11 +67,20 @@ class TieredAllocator(BlockManager):
             return
         super().allocate(seq, num_new_tokens)
 
-    def _take_free(self, n: int) -> list[int]:
+    def can_adopt(self) -> bool:
+        return bool(self.free_slots)
+
+    def adopt(self, seq: Sequence, blocks: list[int]) -> None:
+        if not self.free_slots:
+            raise RuntimeError("tiered KV exhausted: no working-set slot")
+        super().adopt(seq, blocks)
+        self.slot_of[seq.seq_id] = self.free_slots.pop()
+
+    def _take_free(self, n: int, remote: bool = False) -> list[int]:
         blocks = super()._take_free(n)
         if self.host is not None:
             try:
-                self.host.taken(blocks, fresh=True)
+                self.host.taken(blocks, fresh=True, resident=not remote)
             except NoHostRows as exc:
                 self._drop(blocks)
                 raise RuntimeError(f"KV pool exhausted: {exc}") from None

@@ -14,6 +14,13 @@ prefix cache and prefills only the rest (less than a block and the last token). 
 evicted before it was admitted (only when the host store is short), it prefills them itself: a cost,
 never a wrong token. ``abort_import`` lets go without naming anything.
 
+Partial admission (``engine/handoff.py``): the exporting engine prefills the whole prompt and
+holds every block of it (``LLMEngine.take_handoff``); the importing engine holds, as for a full
+import, a block per complete block before the last token's, plus a fresh one for the last token's
+block (``begin_handoff``), reads only that last block, writes the summaries the exporter sends
+(``summaries_of`` there, ``finish_handoff`` here) and leaves the other blocks' bytes where they
+are: a decode-host cache locates them and reads each (block, layer) a selection wants.
+
 Holds are bounded: at most ``MAX_HELD_SHARE`` of the host store is held for exchanges at once, so
 moving KV never starves the engine's own requests of blocks; past it an export offers nothing and
 an import is refused (the prompt is then prefilled where it is).
@@ -88,17 +95,18 @@ class KVExchange:
     def release(self, blocks: list[int]) -> None:
         self.allocator.release(blocks)
 
-    def begin_import(self, hashes: list[int]) -> Import:
+    def begin_import(self, hashes: list[int], remote: bool = False) -> Import:
         """Hold a host block for each of the offered complete blocks of a prompt (the first of its
         ``prompt_hashes``): the cached one where this store has it, else a fresh one to read into.
         Raises ``NoRoom`` (nothing held) when the store has too few free blocks or the holds would
-        pass their bound."""
+        pass their bound. ``remote``: the fresh blocks' bytes stay where they are (a decode-host
+        cache gives them no rows: ``locate`` them)."""
         if not self._room(len(hashes)):
             raise NoRoom(f"exchanges hold {sum(self.allocator.held.values())} host blocks "
                          f"(at most {self.max_held}): no room for {len(hashes)} more")
         cached = self.allocator.hold_cached(hashes)
         try:
-            fresh = self.allocator.hold_new(len(hashes) - len(cached))
+            fresh = self.allocator.hold_new(len(hashes) - len(cached), remote)
         except RuntimeError as exc:
             self.allocator.release(cached)
             raise NoRoom(str(exc)) from None
@@ -120,6 +128,55 @@ class KVExchange:
             raise
         if not keep:
             self.allocator.release(imp.blocks)
+        return imp.blocks
+
+    def summaries_of(self, blocks: list[int]) -> list[torch.Tensor]:
+        """The summaries of complete host ``blocks`` at every layer, on the CPU: ``[L, n, Hk, 2,
+        D]`` in their storage dtype, then (FP8 summaries) their scales ``[L, n, Hk, 2]``."""
+        s, index = self.kv.summaries, torch.tensor(blocks, dtype=torch.long,
+                                                   device=self.kv.device)
+        parts = [s.tables] + ([s.scales] if s.scales[0] is not None else [])
+        return [torch.stack([t[index] for t in tables]).cpu() for tables in parts]
+
+    def begin_handoff(self, hashes: list[int]) -> Import:
+        """``begin_import`` of a prompt's complete blocks before its last token's (``hashes``),
+        plus a fresh held block last: the last token's block, to read whole. Needs a decode-host
+        cache (the other blocks are read from where they are when wanted)."""
+        if not self.kv.host.evicts:
+            raise ValueError("partial admission needs a decode-host cache (--f-host < 1): a "
+                             "host store that keeps every block would never read them")
+        imp = self.begin_import(hashes, remote=True)
+        try:
+            imp.blocks += self.allocator.hold_new(1)
+        except RuntimeError as exc:
+            self.allocator.release(imp.blocks)
+            raise NoRoom(str(exc)) from None
+        imp.missing.append(len(hashes))
+        return imp
+
+    def finish_handoff(self, imp: Import, num_tokens: int, first: int,
+                       summaries: list[torch.Tensor]) -> list[int]:
+        """The last block's bytes are in: write ``summaries`` (``summaries_of`` of the exporter's
+        complete blocks ``first ..``) into this import's fresh complete blocks, name those by their
+        hashes. Returns the held blocks (the caller's now: a ``Handoff``'s). Raises ``NoRoom``
+        (nothing held) when a block before ``first``, whose summary was not sent, is not one this
+        store had. ``num_tokens``: the prompt's."""
+        complete = num_tokens // self.kv.layout.block_size
+        fresh = [i for i in imp.missing if i < complete]
+        try:
+            if fresh and fresh[0] < first:
+                raise NoRoom(f"block {fresh[0]} of the prompt left this store's prefix cache "
+                             "before its summary was sent")
+            if fresh:
+                self.kv.summaries.write(
+                    torch.tensor([imp.blocks[i] for i in fresh], dtype=torch.long,
+                                 device=self.kv.device),
+                    [t[:, [i - first for i in fresh]] for t in summaries])
+            for i in imp.missing[:-1]:  # (the last token's block is named once computed)
+                self.allocator.register(imp.blocks[i], imp.hashes[i])
+        except BaseException:
+            self.allocator.release(imp.blocks)
+            raise
         return imp.blocks
 
     def abort_import(self, imp: Import) -> None:

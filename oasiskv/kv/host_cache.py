@@ -5,7 +5,8 @@ A ``HostStore`` whose ``num_blocks`` logical block ids (what block tables, summa
 manager name) live on ``num_physical`` rows of ``k``/``v``: ``rows`` ``[num_blocks]`` (device,
 int64) maps an id to its row, -1 while the block is not resident. A block is *located* when a remote
 tier holds a copy of it (``locate``: a prefill or memory worker's block under a lease, registered
-after a full transfer), so its row may be taken back (*evicted*) and the block read again when a
+after a full transfer, or after a handoff whose blocks were never read: ``taken(...,
+resident=False)``), so its row may be taken back (*evicted*) and the block read again when a
 selection wants it. Blocks nobody located (generated ones, prompts prefilled here) stay resident
 while in use.
 
@@ -458,9 +459,10 @@ class HostCache(HostStore):
         return len(self._free_rows) + len(self._evictable) >= n
 
     # ---- the block manager's calls -----------------------------------------------------------
-    def taken(self, blocks: list[int], fresh: bool) -> None:
+    def taken(self, blocks: list[int], fresh: bool, resident: bool = True) -> None:
         """``blocks`` are referenced now; ``fresh``: handed out for new contents (they get rows and
-        lose their locations; ``NoHostRows`` when no row is left), else shared or revived."""
+        lose their locations; ``NoHostRows`` when no row is left), else shared or revived. A fresh
+        block not ``resident`` gets no row: its contents stay remote (``locate`` it next)."""
         for b in blocks:
             self._unused_since.pop(b, None)
         if fresh:
@@ -472,6 +474,12 @@ class HostCache(HostStore):
             self._in_use.update(blocks)
             for b in blocks:
                 self._evictable.pop(b, None)
+            if not resident:
+                for b in blocks:
+                    if self._row_of[b] >= 0:
+                        self._evict(b)
+                self.flush()
+                return
             self.make_resident(blocks)
             for b in blocks:  # (written here from now on)
                 self._valid[b] = self._full

@@ -38,6 +38,18 @@ class SummaryStore:
         self._minmax(src, idx0, idx1, self.tables[layer], dst_block, dst_head, src_scale=src_scale,
                      summary_scale=self.scales[layer])
 
+    def write(self, blocks: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """Summaries made elsewhere (another engine's ``KVExchange.summaries_of``) into host
+        blocks ``blocks`` ``[n]``: ``rows`` = tables ``[L, n, Hk, 2, D]``, then (FP8) scales
+        ``[L, n, Hk, 2]``."""
+        parts = [self.tables] + ([self.scales] if self.scales[0] is not None else [])
+        if len(rows) != len(parts):
+            raise ValueError(f"summaries come in {len(rows)} parts, this store keeps "
+                             f"{len(parts)} (FP8 summaries on one side only?)")
+        for tables, src in zip(parts, rows):
+            for layer, t in enumerate(tables):
+                t[blocks] = src[layer].to(t.device, t.dtype)
+
     def scores(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor,
                num_blocks: torch.Tensor) -> torch.Tensor:
         """q ``[N, Hq, D]`` -> float32 ``[N, Hk, max_blocks]`` scores of each row's first

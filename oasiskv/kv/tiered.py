@@ -55,6 +55,9 @@ class TierStep:
     #: set at the forward's first layer: host slots of the step's tokens, and a decode step's rows
     host_slots: torch.Tensor | None = None
     rows: DecodeRows | None = None
+    #: prefill steps: row -> the last prompt token's query at each layer so far, for the rows whose
+    #: prompt is handed off to another engine (``engine/handoff.py``)
+    queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -175,6 +178,8 @@ class TieredKV:
             self._summarise(layer, table[prefix // B:(prefix + n) // B])
             if step.ends_prefill[i]:
                 self._seed(layer, q[end - 1], table, prefix + n, step.slots[i:i + 1])
+                if i in step.queries:  # (a prompt handed off: its query at every layer)
+                    step.queries[i].append(q[end - 1].float())
         return out
 
     def host_kv(self, layer: int, table: torch.Tensor, length: int):
@@ -216,23 +221,46 @@ class TieredKV:
     def _seed(self, layer: int, q_last: torch.Tensor, table: torch.Tensor, length: int,
               slot: torch.Tensor) -> None:
         """First working set of a sequence whose prompt (``length`` tokens) is complete: its top-K
-        blocks by the last token's query, fetched without cap, and the partial last block as the
-        local block."""
+        blocks by the last token's query ``[Hq, D]``, fetched without cap, and the partial last
+        block as the local block."""
+        self.ws.gather(layer, self.host, self._seed_copies(layer, q_last, table, length, slot))
+
+    def _seed_copies(self, layer: int, q_last: torch.Tensor, table: torch.Tensor, length: int,
+                     slot: torch.Tensor) -> torch.Tensor:
+        """``_seed``'s selection at ``layer`` (residency tables updated); returns its copy list."""
         B, K, heads = self.layout.block_size, self.layout.topk_blocks, self.layout.num_kv_heads
         slot = slot.long()
         self.ws.reset(layer, slot)
-        complete = length // B
+        complete, copies = length // B, []
         if complete:
             scores = self.summaries.scores(layer, q_last[None], table[None, :complete],
                                            torch.full((1,), complete, dtype=torch.int32,
                                                       device=self.device))
-            self.ws.select_and_fetch(layer, self.host, slot, table[None, :complete], scores, cap=K,
-                                     now=self.now)
+            copies.append(self.ws.copy_list(slot, *self.ws.plan(
+                layer, slot, table[None, :complete], scores, K, self.now)))
         if length % B:
             local = torch.full((1, heads, 1), self.layout.local_slot, dtype=torch.long,
                                device=self.device)
             block = table[complete].long().view(1, 1, 1).expand(1, heads, 1)
-            self.ws.fetch(layer, self.host, slot, block, local)
+            copies.append(self.ws.copy_list(slot, block, local))
+        return torch.cat(copies, 1) if copies else torch.empty((3, 0), dtype=torch.long,
+                                                               device=self.device)
+
+    def seed_from(self, queries: torch.Tensor, table: torch.Tensor, length: int,
+                  slot: torch.Tensor) -> None:
+        """Every layer's first working set of ``slot`` (``[1]``) for a prompt of ``length`` tokens
+        that another engine prefilled (``engine/handoff.py``): ``_seed`` from the last token's
+        ``queries`` ``[L, Hq, D]`` over the host blocks ``table`` names, with the summaries of its
+        complete blocks already written. Every layer selects first; then the blocks they want are
+        made resident at once (a decode-host cache reads its located ones: one transfer per remote
+        source, each layer's units only); then the copies run."""
+        copies = [self._seed_copies(layer, queries[layer], table, length, slot)
+                  for layer in range(self.layout.num_layers)]
+        if self.host.evicts:
+            self.host.make_resident_layers([c[0][c[0] >= 0].unique().tolist() for c in copies],
+                                           partial=True)
+        for layer, items in enumerate(copies):
+            self.ws.gather(layer, self.host, items, resident=self.host.evicts)
 
     # ---- decode ----------------------------------------------------------------------------------
     def decode_rows(self, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,

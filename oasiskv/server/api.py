@@ -149,7 +149,9 @@ class Disaggregation:
     own prefix cache is prefilled there instead (a repeated prompt, the next turn of a chat whose
     earlier turns it decoded). A prefill worker offloads a prompt's blocks to one of
     ``memory_urls`` when fewer than ``offload_below_blocks`` host blocks would stay free (None:
-    one prompt of the longest length)."""
+    one prompt of the longest length). ``transfer``: what a decode worker reads at admission,
+    ``full`` (every complete prompt block) or ``partial`` (a handoff: the last block, summaries,
+    the prefill's last hidden state and queries)."""
     role: str = "both"
     prefill_urls: tuple[str, ...] = ()
     remote_timeout_s: float = 10.0
@@ -157,10 +159,13 @@ class Disaggregation:
     local_prefill_blocks: int = 0
     memory_urls: tuple[str, ...] = ()
     offload_below_blocks: int | None = None
+    transfer: str = "full"
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode", "memory"):
             raise ValueError(f"role must be both, prefill, decode or memory, got {self.role!r}")
+        if self.transfer not in ("full", "partial"):
+            raise ValueError(f"transfer must be full or partial, got {self.transfer!r}")
         if self.role == "decode" and not self.prefill_urls:
             raise ValueError("--role decode needs at least one --prefill-url")
         if self.prefill_urls and self.role != "decode":
@@ -197,7 +202,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     if pd.role == "decode":
         service = disagg.DecodeRouter(bridge, list(pd.prefill_urls), metrics.registry, api_key,
                                       pd.remote_timeout_s, pd.prefill_timeout_s,
-                                      pd.local_prefill_blocks)
+                                      pd.local_prefill_blocks, pd.transfer)
         serving.admit = service.admit
     elif pd.role == "prefill":
         service = disagg.PrefillService(bridge, metrics.registry, pd.memory_urls,
@@ -282,7 +287,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     if pd.role == "prefill":
         @app.post("/v1/kv/prefill")
         async def kv_prefill(body: KVPromptRequest):
-            return await service.prefill(body.prompt_token_ids)
+            return await service.prefill(body.prompt_token_ids, body.summaries_from)
 
     if pd.role == "memory":
         @app.post("/v1/kv/lookup")

@@ -50,6 +50,7 @@ class _Add:
     reply: asyncio.Future
     # TTFT counts queueing too
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    hand_off: bool = False  # keep each prompt's Handoff (``LLMEngine.take_handoff``)
 
 
 @dataclass
@@ -168,7 +169,8 @@ class AsyncEngine:
                                param="prompt")
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
-                     max_tokens: int | None, arrival_time: float | None = None) -> RequestHandle:
+                     max_tokens: int | None, arrival_time: float | None = None,
+                     hand_off: bool = False) -> RequestHandle:
         """Start ``len(prompts) * len(params)`` engine requests, all or none.
 
         ``prompts``: token ids that passed ``check_prompts`` with this ``max_tokens``. ``params[j]``
@@ -178,7 +180,8 @@ class AsyncEngine:
         the server ever admits (or the engine refuses a prompt), 503 when more than
         ``max_waiting`` engine requests would be unfinished or the server is shutting down.
         ``arrival_time`` (``time.monotonic``, default now): where TTFT and latency start, e.g.
-        before a disaggregated decode worker brought the prompt's KV in.
+        before a disaggregated decode worker brought the prompt's KV in. ``hand_off``: the engine
+        keeps each prompt's ``Handoff`` (a prefill worker's partial admission).
         """
         count = len(prompts) * len(params)
         if not self.healthy:
@@ -196,7 +199,7 @@ class AsyncEngine:
             self._routes[rid] = (handle, i)
         reply = self._loop.create_future()
         self._commands.put(_Add(handle.request_ids, prompts, params, max_tokens, reply,
-                                arrival_time or time.monotonic()))
+                                arrival_time or time.monotonic(), hand_off))
         try:
             handle.prompt_token_ids = await reply
         except BaseException:  # refused, or the client left while waiting: nothing may stay queued
@@ -366,7 +369,8 @@ class AsyncEngine:
                 for p in cmd.params:
                     added.append(self.engine.add_request(ids,
                                                          dataclasses.replace(p, max_tokens=budget),
-                                                         next(rids), cmd.arrival_time))
+                                                         next(rids), cmd.arrival_time,
+                                                         cmd.hand_off))
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)

@@ -5,7 +5,13 @@ Every role runs the tiered KV path (``--kv-mode oasis``) with the same model and
 prompt KV moves between their host stores over NIXL (UCX, one-sided READs of registered host memory,
 ``kv/remote.py``), the control messages over HTTP. Transfer mode ``full`` (``--pd-transfer full``):
 the decode worker copies every complete prompt block it does not already hold before it admits the
-request.
+request. Transfer mode ``partial`` (a decode worker with ``--f-host`` < 1): the prefill worker hands
+the prompt off (``engine/handoff.py``): it runs the whole prompt and holds every block of it; the
+decode worker reads only the last token's block (NIXL), takes the summaries of the complete blocks
+it lacks and the last token's final hidden state and per-layer queries (in the HTTP answer),
+locates the other blocks on the prefill worker and admits the request without a forward: each
+layer's working set is seeded from the queries (the selected (block, layer) units read in one NIXL
+transfer), the first token sampled from the hidden state; later selections read what they want.
 
 A **prefill worker** registers its host store with a NIXL agent and serves, under ``/v1`` (behind
 the API key when one is set):
@@ -15,6 +21,9 @@ the API key when one is set):
 - ``POST /v1/kv/prefill`` ``{"prompt_token_ids": [...]}``: prefills the prompt (as a one-token
   greedy request, whose token is dropped), then holds the host blocks of its complete prefix for
   ``lease_s`` seconds and answers ``{"lease": id, "blocks": [host block ids, in chain order]}``.
+  With ``"summaries_from": i`` it hands the prompt off: ``blocks`` are every block of the prompt
+  (the last token's last), and ``"handoff"`` holds ``hidden``, ``queries`` and ``summaries`` (those
+  of the complete blocks from ``i`` on), each ``{"dtype", "shape", "data": base64}``.
 - ``POST /v1/kv/release`` ``{"lease": id}``: lets them go (an expired lease goes by itself);
   ``POST /v1/kv/renew`` ``{"lease": id}`` holds them ``lease_s`` seconds more (the answer to a
   prefill names ``lease_s``).
@@ -83,7 +92,8 @@ prefill worker again (their KV is local), so its failure ends no running request
 
 /metrics (decode worker, each labelled ``worker`` = the URL of the worker read from, or for the
 prefill histogram asked):
-``oasiskv_pd_admission_bytes`` (bytes read at admission), ``oasiskv_pd_blocks_imported`` /
+``oasiskv_pd_admission_bytes`` (bytes moved at admission; ``oasiskv_pd_handoff_bytes`` those of
+them a handoff's HTTP answer carried), ``oasiskv_pd_blocks_imported`` /
 ``oasiskv_pd_blocks_reused`` (read, or already held), ``oasiskv_pd_remote_reads`` /
 ``oasiskv_pd_remote_read_failures`` (NIXL transfers), ``oasiskv_pd_remote_read_seconds`` and
 ``oasiskv_pd_remote_prefill_seconds`` (histograms: a read, a prefill worker's answer), and
@@ -108,9 +118,11 @@ import uuid
 from dataclasses import dataclass, field
 
 import httpx
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from oasiskv.engine.handoff import Handoff
 from oasiskv.kv.exchange import Import, KVExchange, NoRoom
 from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore, Transfer
@@ -129,6 +141,31 @@ RENEW_S = 10.0
 #: before the engine took it) before the decode-host cache lets its location and lease go
 IMPORT_GRACE_S = 60.0
 _POLL_S = 0.0005  # between two polls of a NIXL transfer in flight
+
+#: the tensor dtypes a handoff's answer may carry (model dtypes, 8-bit summaries, their scales)
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                               torch.int8)}
+
+
+def _pack(t: torch.Tensor) -> dict:
+    """A CPU tensor as JSON data (``_unpack`` reads it back)."""
+    t = t.contiguous()
+    return {"dtype": str(t.dtype), "shape": list(t.shape),
+            "data": base64.b64encode(t.view(torch.uint8).numpy().tobytes()).decode()}
+
+
+def _unpack(d: dict) -> torch.Tensor:
+    """``_pack``'s tensor; ``ValueError`` for anything else."""
+    try:
+        dtype, shape = _DTYPES[d["dtype"]], [int(s) for s in d["shape"]]
+        data = bytearray(base64.b64decode(d["data"], validate=True))
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"not a packed tensor: {type(exc).__name__}: {exc}") from None
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _exchange(bridge: AsyncEngine) -> KVExchange:
@@ -376,7 +413,9 @@ class PrefillService(_KVHolder):
             await self.puller.close()
         await super().close()
 
-    async def prefill(self, prompt_token_ids: list[int]) -> dict:
+    async def prefill(self, prompt_token_ids: list[int], summaries_from: int | None = None) -> dict:
+        """Prefill a prompt and hold its blocks under a lease; with ``summaries_from`` hand it
+        off (``_hand_off``)."""
         ids = list(prompt_token_ids)
         self.bridge.check_prompts([ids], 1)
         self._check_room()
@@ -385,12 +424,15 @@ class PrefillService(_KVHolder):
             if self.memory:
                 await self._fetch_prefix(ids)
             handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
-                                                                     temperature=0.0)], 1)
+                                                                     temperature=0.0)], 1,
+                                              hand_off=summaries_from is not None)
             try:
                 async for _ in handle.outputs():
                     pass
             finally:
                 handle.abort()  # (a no-op once finished)
+            if summaries_from is not None:
+                return await self._hand_off(handle.request_ids[0], len(ids), summaries_from)
             blocks, full = await self.bridge.call(
                 lambda: (self.exchange.export(ids),
                          self.exchange.allocator.num_free_blocks < self.offload_below),
@@ -407,6 +449,26 @@ class PrefillService(_KVHolder):
         finally:
             self._pending -= 1
         return self._lease(blocks)
+
+    async def _hand_off(self, request_id: str, num_tokens: int, first: int) -> dict:
+        """The lease on every block of a handed-off prompt, with its handoff: the last token's
+        hidden state and queries, and the summaries of its complete blocks from ``first`` on."""
+        complete = num_tokens // self.exchange.kv.layout.block_size
+        first = min(first, complete)
+
+        def take():
+            handoff = self.bridge.engine.take_handoff(request_id)
+            if handoff is None:
+                raise APIError(500, "the prompt's prefill ended without its handoff (the request "
+                                    "failed)")
+            return handoff, self.exchange.summaries_of(handoff.blocks[first:complete])
+        handoff, summaries = await self.bridge.call(
+            take, undo=lambda taken: self.exchange.release(taken[0].blocks))
+        answer = self._lease(handoff.blocks)
+        answer["handoff"] = {"hidden": _pack(handoff.hidden), "queries": _pack(handoff.queries),
+                             "summaries": [_pack(t) for t in summaries],
+                             "summaries_from": first}
+        return answer
 
     async def _let_go(self, blocks: list[int]) -> None:
         try:
@@ -737,14 +799,15 @@ class DecodeRouter:
 
     def __init__(self, bridge: AsyncEngine, urls: list[str], registry: CollectorRegistry,
                  api_key: str | None = None, timeout_s: float = 10.0,
-                 prefill_timeout_s: float = 300.0, local_prefill_blocks: int = 0):
+                 prefill_timeout_s: float = 300.0, local_prefill_blocks: int = 0,
+                 transfer: str = "full"):
         """``timeout_s``: deadline of a NIXL read and of an HTTP connection or control message;
         ``prefill_timeout_s``: of a prefill worker's answer (it prefills the prompt first); a
         prompt with at most ``local_prefill_blocks`` complete blocks this worker does not hold is
         prefilled here. ``urls``: at least one (``server.api.Disaggregation`` checks the
-        flags)."""
+        flags). ``transfer``: ``full`` or ``partial`` (handoffs: needs a decode-host cache)."""
         self.bridge, self.timeout_s, self.prefill_timeout_s = bridge, timeout_s, prefill_timeout_s
-        self.local_prefill_blocks = local_prefill_blocks
+        self.local_prefill_blocks, self.transfer = local_prefill_blocks, transfer
         self.exchange = _exchange(bridge)
         reader = RemoteReader(self.exchange.kv.host, _agent_name("decode"), timeout_s)
         self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
@@ -764,9 +827,17 @@ class DecodeRouter:
         self._renewal: asyncio.Task | None = None
         self._tasks = _Tasks()
         by_worker = ["worker"]  # every counter per prefill worker (its URL)
+        if transfer == "partial" and self.cache is None:
+            raise ValueError("--pd-transfer partial needs a decode-host cache (--f-host < 1)")
         self._bytes = Counter("oasiskv_pd_admission_bytes",
-                              "Bytes of prompt KV read from prefill or memory workers at admission",
+                              "Bytes moved from prefill or memory workers at admission: prompt KV "
+                              "read (full transfer), or the last block read, the summaries, "
+                              "hidden state and queries of a handoff (partial)",
                               by_worker, registry=registry)
+        self._handoff_bytes = Counter("oasiskv_pd_handoff_bytes",
+                                      "Of the admission bytes, those of handoffs' HTTP answers "
+                                      "(summaries, hidden states, queries; partial transfer)",
+                                      by_worker, registry=registry)
         self._imported = Counter("oasiskv_pd_blocks_imported",
                                  "Host blocks read from prefill or memory workers", by_worker,
                                  registry=registry)
@@ -795,8 +866,8 @@ class DecodeRouter:
                               registry=registry)
         for w in self.workers:  # every series present from the start, at 0
             self._up.labels(w.url).set(1)
-            for family in (self._bytes, self._imported, self._reused, self._reads,
-                           self._failures, self._latency, self._prefill):
+            for family in (self._bytes, self._handoff_bytes, self._imported, self._reused,
+                           self._reads, self._failures, self._latency, self._prefill):
                 family.labels(w.url)
 
     def start(self) -> None:
@@ -936,10 +1007,17 @@ class DecodeRouter:
             worker.peer = self.puller.reader.connect(worker.descriptor)
         peer = worker.peer  # (a failure elsewhere may reset the worker's meanwhile)
         start = time.monotonic()
+        body = {"prompt_token_ids": ids}
+        if self.transfer == "partial":  # summaries of the blocks after those cached here
+            body["summaries_from"] = len(hashes) - await self.bridge.call(
+                lambda: self.exchange.uncached(hashes))
         answer = await self._checked(worker, await self._client.post(
-            worker.url + "/v1/kv/prefill", json={"prompt_token_ids": ids},
+            worker.url + "/v1/kv/prefill", json=body,
             timeout=httpx.Timeout(self.prefill_timeout_s, connect=self.timeout_s)))
         self._prefill.labels(worker.url).observe(time.monotonic() - start)
+        if "handoff" in answer:
+            await self._take_handoff(worker, peer, ids, hashes, answer, start)
+            return
         lease, offered = answer["lease"], answer["blocks"]
         # the blocks sit on a memory worker when the prefill worker offloaded them; that worker's
         # failure is not the prefill worker's: the engine then prefills the prompt here
@@ -985,6 +1063,57 @@ class DecodeRouter:
                 self.leases.add((holder, lease), start, float(answer.get("lease_s", 60.0)))
             else:
                 self._tasks.spawn(_release(self._client, holder, lease))
+
+    async def _take_handoff(self, worker: _Worker, peer: str, ids: list[int], hashes: list[int],
+                            answer: dict, start: float) -> None:
+        """Partial admission of ``ids`` from ``worker``'s answer: read the last token's block,
+        write the summaries, locate the other blocks there (keeping the lease while they name
+        it) and give the engine the handoff. A prompt this store has no room for, or whose
+        handoff cannot be used, is prefilled here (logged); a failed read raises (the worker is
+        marked down)."""
+        lease, offered, url = answer["lease"], answer["blocks"], worker.url
+        located = False
+        try:
+            h = answer["handoff"]
+            hidden, queries = _unpack(h["hidden"]), _unpack(h["queries"])
+            summaries, first = [_unpack(t) for t in h["summaries"]], int(h["summaries_from"])
+            if len(offered) != len(hashes) + 1:
+                raise ValueError(f"a handoff of {len(ids)} tokens names {len(offered)} blocks")
+            try:
+                imp = await self.bridge.call(lambda: self.exchange.begin_handoff(hashes),
+                                             undo=self.exchange.abort_import)
+            except NoRoom as exc:
+                logger.warning("no host blocks to take a prompt's handoff into (%s)", exc)
+                return
+            tail = Import(imp.hashes, imp.blocks, imp.missing[-1:])  # (read only that block)
+            await self._read(url, peer, tail, offered[-1:])
+
+            def finish() -> None:
+                nonlocal located
+                blocks = self.exchange.finish_handoff(imp, len(ids), first, summaries)
+                try:
+                    self.cache.locate(blocks[:-1], offered[:-1], (url, peer), (url, lease))
+                    self.bridge.engine.add_handoff(ids, Handoff(hidden, queries, blocks))
+                except BaseException:
+                    self.exchange.release(blocks)
+                    raise
+                located = True
+            try:
+                await self.bridge.call(finish)
+            except NoRoom as exc:
+                logger.warning("a prompt's handoff cannot be used here (%s); the engine "
+                               "prefills it", exc)
+                return
+            carried = _nbytes([hidden, queries, *summaries])
+            self._bytes.labels(url).inc(carried)
+            self._handoff_bytes.labels(url).inc(carried)
+            self._imported.labels(url).inc(1)
+            self._reused.labels(url).inc(len(hashes) + 1 - len(imp.missing))
+        finally:
+            if located:
+                self.leases.add((url, lease), start, float(answer.get("lease_s", 60.0)))
+            else:
+                self._tasks.spawn(_release(self._client, url, lease))
 
     @staticmethod
     def _holder_down(memory: _Worker, exc: BaseException) -> None:

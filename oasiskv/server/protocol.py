@@ -119,8 +119,11 @@ class ChatCompletionRequest(SamplingRequest):
 
 class KVPromptRequest(_Request):
     """Disaggregated serving: a prompt's token ids, to a prefill worker (prefill them and hold
-    their KV) or a memory worker (hold the KV of the prompt's prefix it has)."""
+    their KV) or a memory worker (hold the KV of the prompt's prefix it has). ``summaries_from``
+    (to a prefill worker): hand the prompt off (partial admission) with the summaries of its
+    complete blocks from this one on (the asker holds those before)."""
     prompt_token_ids: list[int] = Field(min_length=1)
+    summaries_from: int | None = Field(default=None, ge=0)
 
 
 class KVReleaseRequest(_Request):

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from oasiskv import LLM
 from oasiskv.bench.host_cache import decode_imported
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.host_cache import HostCache, NoHostRows
@@ -43,6 +44,32 @@ def test_a_bounded_decode_host_decodes_the_tokens_of_one_that_keeps_everything(t
     assert host.reader.units == host.stats.units and host.reader.layer_units > 0
     # the requests ended: every lease is idle, nothing is located, rows and ids agree
     assert sorted(idle) == [0, 1, 2] and not host.where
+    host.check_invariants()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_handed_off_prompt_decodes_the_tokens_of_the_engine_that_prefilled_it(tiny, device):
+    """Partial admission: only the last block and the summaries move at admission; the decode
+    engine seeds its working sets from the prefill engine's queries, samples the first token from
+    its hidden state, and reads the selected blocks layer by layer: the tokens of one engine that
+    prefills and decodes, at a K that leaves most blocks out."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    batch = prompts(3, lo=500, hi=700, seed=21)
+    batch[2] = batch[2][:16 * 40]  # a prompt of whole blocks: its last block is a complete one
+    llm = LLM(str(tiny), device=device, **TIER)
+    want = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    block = llm.engine.runner.backend.kv.layout.host_block_bytes
+    del llm
+    run = decode_imported(str(tiny), batch, GREEDY, 0.25, partial=True, device=device, **TIER)
+    assert [o.token_ids for o in run.outputs] == want
+    host = run.host
+    # admission moved one block per prompt and the summaries, not the prompt
+    full = sum((len(ids) - 1) // 16 for ids in batch) * block
+    assert 3 * block <= run.admission_bytes < full / 4
+    # what the seeding selected was read a layer at a time (K = 2 of ~40 blocks per head)
+    assert host.reader.layer_units > 0 and host.stats.misses > 0
+    assert sorted(run.idle) == [0, 1, 2] and not host.where
     host.check_invariants()
 
 

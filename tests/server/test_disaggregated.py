@@ -435,3 +435,38 @@ def test_a_bounded_decode_host_reads_evicted_blocks_again(launch, fixtures_path)
         assert answer(alive.result()) == want_short
     assert pd_metrics(cache)["oasiskv_pd_cache_read_failures_total"] > 0
     assert cache.wait_idle()["oasiskv_num_requests_running"] == 0
+
+
+def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_path):
+    """--pd-transfer partial: the prefill worker runs the whole prompt and hands it off; the
+    decode worker reads only the last token's block (NIXL) and takes the summaries, the last
+    hidden state and the queries (counted in bytes on /metrics, against sizes computed here), seeds
+    each head's working set from the queries (reading the (block, layer) units it selects) and
+    samples the first token itself. At K = 2, so that selections move, it answers token for token
+    as a single node, a prompt of whole blocks too; later selections read the blocks they want,
+    and every lease is released once the requests end."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (1000, 992, 700)]
+    flags = ("--topk-blocks", "2", "--draft", "ngram", "--host-kv-gib", "0.05")
+    single = launch("single", *flags)
+    prefill = launch("prefill", *flags, "--role", "prefill")
+    decode = launch("decode-partial", *flags, "--role", "decode", "--prefill-url", prefill.url,
+                    "--f-host", "0.25", "--pd-transfer", "partial")
+    want = [answer(complete(single, ids, 48)) for ids in prompts]
+    with ThreadPoolExecutor(3) as pool:
+        got = [answer(r) for r in pool.map(lambda ids: complete(decode, ids, 48), prompts)]
+    assert got == want
+    cfg = json.loads((fixtures_path / "target" / "config.json").read_text())
+    layers, heads, kv_heads, dim = (cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                                    cfg["num_key_value_heads"], cfg["head_dim"])
+    summaries = sum(len(ids) // BLOCK for ids in prompts) * layers * kv_heads * 2 * dim * 4
+    handoff = len(prompts) * (cfg["hidden_size"] + layers * heads * dim) * 4
+    m = pd_metrics(decode)
+    assert m["oasiskv_pd_handoff_bytes_total"] == summaries + handoff
+    assert m["oasiskv_pd_admission_bytes_total"] == (
+        len(prompts) * block_bytes(fixtures_path) + summaries + handoff)
+    full = sum((len(ids) - 1) // BLOCK for ids in prompts) * block_bytes(fixtures_path)
+    assert m["oasiskv_pd_admission_bytes_total"] < full / 4
+    assert m["oasiskv_pd_cache_misses_total"] > 0 and m["oasiskv_pd_cache_read_bytes_total"] > 0
+    assert m["oasiskv_pd_cache_read_failures_total"] == 0
+    assert released(prefill)

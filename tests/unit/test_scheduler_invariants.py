@@ -3,10 +3,12 @@ no leaked block, no block owned twice, ref counts equal table membership, budget
 same for the tiered allocator (host blocks with prefix sharing, plus fewer working-set slots than
 the scheduler's batch)."""
 import random
+import time
 
 from hypothesis import given, settings, strategies as st
 
 from oasiskv.engine.block_manager import BlockManager
+from oasiskv.engine.handoff import Handoff
 from oasiskv.engine.scheduler import Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.allocator import TieredAllocator
@@ -90,7 +92,7 @@ def test_everything_finishes_when_driven_to_completion():
 
 
 HOLD_OPS = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "finish", "export",
-                                               "import", "release"]),
+                                               "import", "release", "handoff", "expire"]),
                               st.integers(0, 10_000)), min_size=1, max_size=120)
 
 
@@ -98,8 +100,9 @@ HOLD_OPS = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "f
 @given(ops=HOLD_OPS, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4]))
 def test_holds_of_moving_prompt_kv_keep_invariants(ops, num_blocks, block_size):
     """Blocks held outside any table (exported for a reader, or imported: cached ones plus fresh
-    ones named after their bytes arrive) interleaved with scheduling: never handed out while held,
-    ref counts equal tables plus holds, nothing left held or owned at the end."""
+    ones named after their bytes arrive; handoffs, adopted by their request's table or expired)
+    interleaved with scheduling: never handed out while held, ref counts equal tables plus holds,
+    nothing left held or owned at the end."""
     bm = TieredAllocator(num_blocks, 4, block_size)
     sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=32)
     seqs: list[Sequence] = []
@@ -135,6 +138,21 @@ def test_holds_of_moving_prompt_kv_keep_invariants(ops, num_blocks, block_size):
             holds.append(cached + fresh)
         elif op == "release" and holds:
             bm.release(holds.pop(rng.randrange(len(holds))))
+        elif op == "handoff":  # a prompt prefilled elsewhere: held blocks for all of it
+            seq = random_request(rng, num_blocks * block_size, 4)
+            hashes = bm.prompt_hashes(seq.prompt_token_ids)
+            cached = bm.hold_cached(hashes)
+            try:
+                fresh = bm.hold_new(-(-len(seq) // block_size) - len(cached))
+            except RuntimeError:
+                bm.release(cached)
+                continue
+            sched.handoffs.add(tuple(seq.prompt_token_ids), Handoff(None, None, cached + fresh))
+            if rng.random() < 0.8:  # (else nobody takes it: it expires)
+                sched.add(seq)
+                seqs.append(seq)
+        elif op == "expire":
+            sched.handoffs.expire(now=time.monotonic() + sched.handoffs.grace_s + 1)
         for held in holds:
             assert all(bm.ref_counts[b] > 0 and b not in bm.free_blocks for b in held)
         bm.check_invariants(live(sched))
@@ -142,6 +160,7 @@ def test_holds_of_moving_prompt_kv_keep_invariants(ops, num_blocks, block_size):
         bm.release(held)
     for seq in list(sched.running) + list(sched.waiting):
         sched.abort(seq)
+    sched.handoffs.clear()
     bm.check_invariants([])
     assert bm.num_free_blocks == num_blocks and not bm.held
 
