@@ -2,7 +2,8 @@
 # One GPU session's work in one command: GPU tests, kernel micro-benchmark, decode sweeps.
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
-#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-smoke] [pd-bench]
+#        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-smoke] [pd-partial]
+#        [pd-bench]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -148,6 +149,16 @@ for stage in $stages; do
         --kv-mode oasis --host-kv-gib 24 --draft ngram --gpu-memory-utilization 0.8 2>&1 \
         | tee "$OUT/pd_smoke.log" | grep -v '^{' | tail -6
       summary+=("pd-smoke: $(tail -1 "$OUT/pd_smoke.log" | cut -c1-300)") ;;
+    pd-partial)  # 1 GPU: full against partial admission on the fixture target (trained), both workers
+      # sharing the GPU, 16 x 8K windows of held-out text, decode-host cache f_host 0.2; carry .whl,
+      # and .fixtures in a call just before (a warm machine keeps it; both do not fit one call)
+      need fastapi uvicorn pydantic httpx nixl-cu13
+      python3 scripts/pd_bench.py "$OASISKV_FIXTURES/target" --text "$OASISKV_FIXTURES/eval_dev.json" \
+        --context 8192 --requests 16 --max-tokens 64 --prefill-gpu 0 --decode-gpu 0 \
+        --prefill-flags "--gpu-memory-utilization 0.3" --setups "${PD_SETUPS:-single,pd-cache:0.2,pd-partial:0.2}" \
+        --decode-flags "--host-kv-gib 0.5" -- --kv-mode oasis --host-kv-gib 2 --draft ngram --topk-blocks 32 \
+        --fetch-ratio 0.05 --gpu-memory-utilization 0.7 2>&1 | tee "$OUT/pd_partial.log" | grep -v '^{' | tail -5
+      summary+=("pd-partial: see table above") ;;
     pd-bench)  # 2 GPUs: one node vs a prefill worker (GPU 1) + decode worker (GPU 0), prompt KV over
       # NIXL; PD_REQUESTS (default 32) concurrent 32K prompts, 64 tokens each; PD_SETUPS (default
       # single,pd; add pd-memory for a memory worker on GPU 1 too, with PD_SHARES="--gpu-memory-

@@ -195,7 +195,11 @@ class SparseBackend(AttentionBackend):
 
     def admit(self, batch: ScheduledBatch) -> torch.Tensor:
         # the prompts' blocks are the sequences' own (held until now), their complete blocks'
-        # summaries written: the same seeding as a prefill that ends here
+        # summaries written: the same seeding as a prefill that ends here, once every layer's
+        # working sets are the foreground's again (a finished sequence's copies may still be
+        # running into the slot a new one takes)
+        for layer in range(self.kv.layout.num_layers):
+            self.retrieval.claim(layer)
         step = self.prepare(batch).meta
         for i, seq in enumerate(batch.seqs):
             table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)

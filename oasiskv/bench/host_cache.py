@@ -139,6 +139,7 @@ class Imported:
     rows: list[int]
     progress: list[set[str]]
     admission_bytes: int = 0
+    held: int = 0  # blocks the decode engine still held for exchanges at the end
 
 
 def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams, f_host: float,
@@ -190,7 +191,7 @@ def decode_imported(model: str, prompts: list[list[int]], params: SamplingParams
         progress.append({out.request_id for out in outs})
     eng.allocator.check_invariants([])
     return Imported([finals[str(i)] for i in range(len(prompts))], host, idle, steps, rows,
-                    progress, moved)
+                    progress, moved, sum(eng.allocator.held.values()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,14 +13,16 @@ them when a selection wants them), and the last token's block with its bytes. Th
 next with the same prompt takes it (``HandoffTable.take``): the scheduler admits it without a
 forward, the backend seeds each layer's working set from the queries (the same selection the
 prefilling engine made), and the first token is sampled from the hidden state. A handoff no
-request takes within ``grace_s`` lets its blocks go.
+request takes within ``grace_s`` (and none of its prompt waits for) lets its blocks go
+(``LLMEngine.expire_handoffs``, which servers call on a timer: an idle engine does not step), as
+does one whose waiting request is aborted.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Container, Hashable
 
 import torch
 
@@ -68,13 +70,26 @@ class HandoffTable:
             del self._by_key[key]
         return handoff
 
-    def expire(self, now: float | None = None) -> int:
-        """Let go of the handoffs older than ``grace_s``; returns how many."""
+    def drop(self, key: Hashable, handoff: Handoff | None = None) -> bool:
+        """Let go of ``handoff`` (default: the oldest) under ``key``; whether it was there."""
+        waiting = self._by_key.get(key, [])
+        handoff = handoff if handoff is not None else (waiting[0] if waiting else None)
+        if handoff is None or not any(h is handoff for h in waiting):
+            return False
+        waiting[:] = [h for h in waiting if h is not handoff]
+        if not waiting:
+            del self._by_key[key]
+        self._release(handoff.blocks)
+        return True
+
+    def expire(self, now: float | None = None, keep: Container[Hashable] = ()) -> int:
+        """Let go of the handoffs older than ``grace_s``, but those under a key in ``keep`` (a
+        request of theirs is waiting); returns how many."""
         if not self._by_key:
             return 0
         cutoff = (time.monotonic() if now is None else now) - self.grace_s
         gone = 0
-        for key in list(self._by_key):
+        for key in [k for k in self._by_key if k not in keep]:
             waiting = self._by_key[key]
             for h in [h for h in waiting if h.created <= cutoff]:
                 waiting.remove(h)

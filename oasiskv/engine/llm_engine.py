@@ -160,6 +160,14 @@ class LLMEngine:
                              "prompts")
         self.scheduler.handoffs.add(tuple(prompt), handoff)
 
+    def expire_handoffs(self) -> int:
+        """Let go of the handoffs nobody took within ``HandoffTable.grace_s``: made here and not
+        taken by the caller, or given here with no request of their prompt waiting. Returns how
+        many."""
+        waiting = ({tuple(s.prompt_token_ids) for s in self.scheduler.waiting}
+                   if self.scheduler.handoffs else set())
+        return self.handed_off.expire() + self.scheduler.handoffs.expire(keep=waiting)
+
     def take_handoff(self, request_id: str) -> Handoff | None:
         """The ``Handoff`` of a ``hand_off`` request whose prefill has ended (its blocks held: the
         caller releases them, ``allocator.release``), or None (not yet, or it failed)."""
@@ -227,12 +235,6 @@ class LLMEngine:
         except Exception as exc:  # one bad step must not take the engine or other requests down
             logger.exception("step failed; finishing its %d requests with an error", len(batch))
             return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
-        for i, handoff in result.handoffs.items():  # (held before the request ends and frees them)
-            seq = batch.seqs[i]
-            self.allocator.hold(seq.block_table)
-            handoff.blocks = list(seq.block_table)
-            self.handed_off.add(seq.request_id, handoff)
-        self.handed_off.expire()
         self.scheduler.postprocess(batch)
         now = time.monotonic()
         for i, seq in enumerate(batch.seqs):
@@ -249,6 +251,12 @@ class LLMEngine:
         except Exception as exc:  # the step's deferred work failed: its results cannot be trusted
             logger.exception("step failed; finishing its %d requests with an error", len(batch))
             return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
+        for i, handoff in result.handoffs.items():  # (held before the request ends and frees them)
+            seq = batch.seqs[i]
+            if seq.seq_id not in kv.failed:  # (a prefill whose KV cannot be trusted: none)
+                self.allocator.hold(seq.block_table)
+                handoff.blocks = list(seq.block_table)
+                self.handed_off.add(seq.request_id, handoff)
         outputs = []
         for seq, token in zip(batch.seqs, result.tokens):
             if seq.seq_id in kv.failed:

@@ -72,6 +72,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            key = tuple(seq.prompt_token_ids)
+            if (self.handoffs and self._handoff_of(seq) is not None
+                    and not any(tuple(s.prompt_token_ids) == key for s in self.waiting)):
+                self.handoffs.drop(key)  # (its handoff: no other request will take it)
         self.allocator.free(seq)
 
     def schedule(self) -> ScheduledBatch | None:
@@ -94,7 +98,6 @@ class Scheduler:
         return self.handoffs.peek(tuple(seq.prompt_token_ids))
 
     def _schedule_handoffs(self) -> ScheduledBatch | None:
-        self.handoffs.expire()
         seqs = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

@@ -63,7 +63,8 @@ class KVExchange:
         self.allocator, self.kv = allocator, backend.kv
         self.max_held = int(MAX_HELD_SHARE * allocator.num_total_blocks)
 
-    def _room(self, n: int) -> bool:
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more blocks may be held for exchanges now."""
         return sum(self.allocator.held.values()) + n <= self.max_held
 
     @property
@@ -88,7 +89,7 @@ class KVExchange:
         order, the longest leading run; none past the bound on holds); ``release`` them when
         read."""
         hashes = self.allocator.prompt_hashes(token_ids)
-        if not self._room(len(hashes)):
+        if not self.has_room(len(hashes)):
             return []
         return self.allocator.hold_cached(hashes)
 
@@ -101,7 +102,7 @@ class KVExchange:
         Raises ``NoRoom`` (nothing held) when the store has too few free blocks or the holds would
         pass their bound. ``remote``: the fresh blocks' bytes stay where they are (a decode-host
         cache gives them no rows: ``locate`` them)."""
-        if not self._room(len(hashes)):
+        if not self.has_room(len(hashes)):
             raise NoRoom(f"exchanges hold {sum(self.allocator.held.values())} host blocks "
                          f"(at most {self.max_held}): no room for {len(hashes)} more")
         cached = self.allocator.hold_cached(hashes)
@@ -145,6 +146,9 @@ class KVExchange:
         if not self.kv.host.evicts:
             raise ValueError("partial admission needs a decode-host cache (--f-host < 1): a "
                              "host store that keeps every block would never read them")
+        if not self.has_room(len(hashes) + 1):
+            raise NoRoom(f"exchanges hold {sum(self.allocator.held.values())} host blocks (at "
+                         f"most {self.max_held}): no room for {len(hashes) + 1} more")
         imp = self.begin_import(hashes, remote=True)
         try:
             imp.blocks += self.allocator.hold_new(1)

@@ -78,25 +78,34 @@ def _unit_bytes(t: torch.Tensor, whole: bool) -> int:
 class _Peer:
     addrs: tuple[int, ...]  # base address of each region
     num_blocks: int
+    summary_addrs: tuple[int, ...] = ()  # of its summary mirror's regions (none: no mirror)
+    summary_blocks: int = 0
+
+
+def _regions(tensors: list[torch.Tensor]) -> dict:
+    return {"addrs": [t.data_ptr() for t in tensors], "shape": list(tensors[0].shape),
+            "dtype": str(tensors[0].dtype)}
 
 
 class RemoteStore:
-    """Serves ``store`` to remote readers under the NIXL agent ``name`` (unique among the peers)."""
+    """Serves ``store`` to remote readers under the NIXL agent ``name`` (unique among the peers),
+    and ``summaries`` (a ``SummaryMirror``: the summaries of blocks it hands off) when given."""
 
-    def __init__(self, store: HostStore, name: str):
+    def __init__(self, store: HostStore, name: str, summaries=None):
         nixl_agent, nixl_agent_config = _nixl()
-        self.store, self.name = store, name
+        self.store, self.name, self.summaries = store, name, summaries
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self._registered = self.agent.register_memory(store.tensors())
+        self._registered = self.agent.register_memory(
+            store.tensors() + (summaries.tensors() if summaries is not None else []))
 
     def descriptor(self) -> bytes:
         """What a ``RemoteReader.connect`` needs: JSON bytes (data only, safe to take from any
         channel), the agent's metadata base64."""
-        regions = self.store.tensors()
-        return json.dumps({"metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                           "name": self.name, "addrs": [t.data_ptr() for t in regions],
-                           "shape": list(self.store.k.shape),
-                           "dtype": str(self.store.k.dtype)}).encode()
+        d = {"metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+             "name": self.name, **_regions(self.store.tensors())}
+        if self.summaries is not None:
+            d["summaries"] = _regions(self.summaries.tensors())
+        return json.dumps(d).encode()
 
     def close(self) -> None:
         self.agent.deregister_memory(self._registered)
@@ -175,13 +184,16 @@ class Transfer:
 
 class RemoteReader:
     """Reads units of KV from ``RemoteStore`` peers into ``local`` (same layout, its own block
-    ids), as NIXL agent ``name``."""
+    ids), as NIXL agent ``name``; with ``summaries`` (a ``SummaryMirror``, its staging rows) also
+    the summaries a peer's mirror holds (``read_summaries``)."""
 
-    def __init__(self, local: HostStore, name: str, timeout_s: float = 5.0):
+    def __init__(self, local: HostStore, name: str, timeout_s: float = 5.0, summaries=None):
         nixl_agent, nixl_agent_config = _nixl()
         self.local, self.name, self.timeout_s = local, name, timeout_s
+        self.summaries = summaries
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self._registered = self.agent.register_memory(local.tensors())
+        self._registered = self.agent.register_memory(
+            local.tensors() + (summaries.tensors() if summaries is not None else []))
         self.peers: dict[str, _Peer] = {}
         self.stats = ReadStats()
 
@@ -202,10 +214,24 @@ class RemoteReader:
         if len(addrs) != len(self.local.tensors()):
             raise ValueError(f"peer {d.get('name')} has {len(addrs)} regions, this reader "
                              f"{len(self.local.tensors())} (8-bit row scales on one side only?)")
+        summary_addrs, summary_blocks = (), 0
+        if self.summaries is not None and "summaries" in d:
+            s, mine = d["summaries"], self.summaries.tensors()
+            try:
+                summary_addrs, summary_shape = tuple(int(a) for a in s["addrs"]), s["shape"]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"not a summary descriptor: {type(exc).__name__}: {exc}") \
+                    from None
+            if (len(summary_addrs) != len(mine) or s.get("dtype") != str(mine[0].dtype)
+                    or list(summary_shape[1:]) != list(mine[0].shape[1:])):
+                raise ValueError(f"peer {d['name']} keeps summaries as {s.get('dtype')} "
+                                 f"{summary_shape}, this reader {mine[0].dtype} "
+                                 f"{tuple(mine[0].shape)}")
+            summary_blocks = int(summary_shape[0])
         if d.get("name") in self.peers:
             return d["name"]
         name = self.agent.add_remote_agent(metadata)
-        self.peers[name] = _Peer(tuple(addrs), shape[0])
+        self.peers[name] = _Peer(tuple(addrs), shape[0], summary_addrs, summary_blocks)
         return name
 
     def disconnect(self, peer: str) -> None:
@@ -230,9 +256,32 @@ class RemoteReader:
                                  src.shape)
         if int(layers.max()) >= self.local.k.shape[1]:
             raise ValueError("layer past the last")
+        return self._start(peer, self.local.tensors(), info.addrs, src, dst, layers)
+
+    def read_summaries(self, peer: str, src_blocks, dst_rows) -> Transfer:
+        """Start copying the summaries of blocks ``src_blocks`` of ``peer``'s summary mirror into
+        rows ``dst_rows`` of this reader's ``summaries`` (whole blocks: every layer), as one
+        transfer."""
+        info = self.peers[peer]
+        if self.summaries is None or not info.summary_addrs:
+            raise ValueError(f"no summaries to read from {peer} (a peer or this reader without "
+                             "a summary mirror)")
+        src = np.asarray(src_blocks, dtype=np.uint64)
+        dst = np.asarray(dst_rows, dtype=np.int64)
+        if src.shape != dst.shape or src.ndim != 1 or src.size == 0 or dst.min() < 0:
+            raise ValueError("src_blocks and dst_rows must be equal-length, non-empty lists")
+        if int(src.max()) >= info.summary_blocks or int(dst.max()) >= self.summaries.num_rows:
+            raise ValueError("block id past the end of a summary mirror")
+        return self._start(peer, self.summaries.tensors(), info.summary_addrs, src,
+                           dst.astype(np.uint64), np.full(src.shape, -1, dtype=np.int64))
+
+    def _start(self, peer: str, tensors: list[torch.Tensor], addrs: tuple[int, ...],
+               src: np.ndarray, dst: np.ndarray, layers: np.ndarray) -> Transfer:
+        """One transfer of units (block ``src[i]`` -> row ``dst[i]``, at layer ``layers[i]``, -1:
+        the whole block) of every region ``tensors`` (here) / ``addrs`` (there)."""
         whole = layers < 0
         local, remote, nbytes = [], [], 0
-        for t, base in zip(self.local.tensors(), info.addrs):
+        for t, base in zip(tensors, addrs):
             block, per_layer = _unit_bytes(t, True), _unit_bytes(t, False)
             size = np.where(whole, block, per_layer).astype(np.uint64)
             offset = np.where(whole, 0, layers * per_layer).astype(np.uint64)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import empty_rows
+from oasiskv.kernels.fp8 import as_bytes, empty_rows
 from oasiskv.kv.layout import TieredLayout
 
 
@@ -56,3 +56,29 @@ class SummaryStore:
         ``num_blocks[n]`` blocks (host ids from ``block_tables``), -inf past them."""
         return self._scores(q, self.tables[layer], block_tables, num_blocks, self.alpha,
                             summary_scale=self.scales[layer])
+
+
+class SummaryMirror:
+    """Host copies of block summaries, laid out by block as the host store is (``[rows, L, Hk, 2,
+    D]``; FP8: scales ``[rows, L, Hk, 2]``), so that NIXL moves a block's summaries in one unit. A
+    prefill worker's is indexed by host block id (``put`` when it hands a prompt off); a decode
+    worker's is the staging area it reads a handoff's summaries into (``take``)."""
+
+    def __init__(self, layout: TieredLayout, num_rows: int):
+        shape = (num_rows, layout.num_layers, layout.num_kv_heads, 2, layout.head_dim)
+        self.values, self.scales = empty_rows(shape, layout.summary_storage_dtype)
+        self.num_rows = num_rows
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The values, then the FP8 scales when present (a remote reader's region order)."""
+        return [self.values] + ([self.scales] if self.scales is not None else [])
+
+    def put(self, rows: list[int], parts: list[torch.Tensor]) -> None:
+        """``parts`` (``KVExchange.summaries_of``: ``[L, n, ...]`` each) into ``rows``."""
+        index = torch.tensor(rows, dtype=torch.long)
+        for t, part in zip(self.tensors(), parts):
+            as_bytes(t)[index] = as_bytes(part.transpose(0, 1))
+
+    def take(self, n: int) -> list[torch.Tensor]:
+        """Rows ``0 .. n - 1`` as ``put`` takes them (``[L, n, ...]`` each, copies)."""
+        return [t[:n].transpose(0, 1).clone() for t in self.tensors()]

@@ -7,9 +7,10 @@ prompt KV moves between their host stores over NIXL (UCX, one-sided READs of reg
 the decode worker copies every complete prompt block it does not already hold before it admits the
 request. Transfer mode ``partial`` (a decode worker with ``--f-host`` < 1): the prefill worker hands
 the prompt off (``engine/handoff.py``): it runs the whole prompt and holds every block of it; the
-decode worker reads only the last token's block (NIXL), takes the summaries of the complete blocks
-it lacks and the last token's final hidden state and per-layer queries (in the HTTP answer),
-locates the other blocks on the prefill worker and admits the request without a forward: each
+decode worker reads only the last token's block and the summaries of the complete blocks it lacks
+(NIXL: a prefill worker keeps them in a ``SummaryMirror`` registered with its agent), takes the
+last token's final hidden state and per-layer queries (in the HTTP answer), locates the other
+blocks on the prefill worker and admits the request without a forward: each
 layer's working set is seeded from the queries (the selected (block, layer) units read in one NIXL
 transfer), the first token sampled from the hidden state; later selections read what they want.
 
@@ -22,8 +23,10 @@ the API key when one is set):
   greedy request, whose token is dropped), then holds the host blocks of its complete prefix for
   ``lease_s`` seconds and answers ``{"lease": id, "blocks": [host block ids, in chain order]}``.
   With ``"summaries_from": i`` it hands the prompt off: ``blocks`` are every block of the prompt
-  (the last token's last), and ``"handoff"`` holds ``hidden``, ``queries`` and ``summaries`` (those
-  of the complete blocks from ``i`` on), each ``{"dtype", "shape", "data": base64}``.
+  (the last token's last), the summaries of its complete blocks from ``i`` on wait in those
+  blocks' rows of its summary mirror (the descriptor names its regions), and ``"handoff"`` holds
+  ``hidden`` and ``queries``, each ``{"dtype", "shape", "data": base64}``, and
+  ``summaries_from``.
 - ``POST /v1/kv/release`` ``{"lease": id}``: lets them go (an expired lease goes by itself);
   ``POST /v1/kv/renew`` ``{"lease": id}`` holds them ``lease_s`` seconds more (the answer to a
   prefill names ``lease_s``).
@@ -126,6 +129,7 @@ from oasiskv.engine.handoff import Handoff
 from oasiskv.kv.exchange import Import, KVExchange, NoRoom
 from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore, Transfer
+from oasiskv.kv.summaries import SummaryMirror
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.server.async_engine import AsyncEngine
 from oasiskv.server.errors import APIError
@@ -159,9 +163,27 @@ def _unpack(d: dict) -> torch.Tensor:
     try:
         dtype, shape = _DTYPES[d["dtype"]], [int(s) for s in d["shape"]]
         data = bytearray(base64.b64decode(d["data"], validate=True))
+        if not data:  # (frombuffer refuses an empty buffer)
+            return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"not a packed tensor: {type(exc).__name__}: {exc}") from None
+
+
+async def _settled(transfer: Transfer, within_s: float) -> bool:
+    """Wait until a failed transfer can write no more into its destination (cancelled with
+    NIXL's consent, or ended); False when it has not ``within_s`` seconds later."""
+    deadline = time.monotonic() + within_s
+    while not transfer.settled:
+        try:
+            transfer.done()
+        except RemoteReadError:
+            pass
+        if not transfer.settled and not transfer.cancel():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+    return True
 
 
 def _nbytes(tensors) -> int:
@@ -271,18 +293,10 @@ class _Puller:
         """Abort an import whose transfer failed or ran late, once the transfer is settled (a
         transfer NIXL could not cancel may still write into the import's blocks); one that never
         settles keeps them held, rather than let them be written after reuse."""
-        deadline = time.monotonic() + 10 * self.timeout_s
-        while not transfer.settled:
-            try:
-                transfer.done()
-            except RemoteReadError:
-                pass
-            if not transfer.settled and not transfer.cancel():
-                if time.monotonic() > deadline:
-                    logger.error("a failed KV read never settled: %d host blocks stay held",
-                                 len(imp.blocks))
-                    return
-                await asyncio.sleep(0.01)
+        if not await _settled(transfer, 10 * self.timeout_s):
+            logger.error("a failed KV read never settled: %d host blocks stay held",
+                         len(imp.blocks))
+            return
         try:
             await self.bridge.call(lambda: self.exchange.abort_import(imp))
         except APIError:  # shutting down
@@ -300,10 +314,10 @@ class _KVHolder:
     to one at once (held blocks are host memory)."""
 
     def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry, role: str,
-                 lease_s: float = 60.0):
+                 lease_s: float = 60.0, summaries: SummaryMirror | None = None):
         self.bridge, self.lease_s = bridge, lease_s
         self.exchange = _exchange(bridge)
-        self.store = RemoteStore(self.exchange.kv.host, _agent_name(role))
+        self.store = RemoteStore(self.exchange.kv.host, _agent_name(role), summaries)
         self.leases: dict[str, tuple[list[int], float]] = {}  # id -> (held blocks, expiry)
         self._pending = 0  # prompts in flight, each to become a lease
         self._leases = Gauge("oasiskv_pd_leases", "Prompt KV leases held for readers (decode "
@@ -355,6 +369,10 @@ class _KVHolder:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            try:  # (handoffs made here that no answer took: their holds go)
+                await self.bridge.call(self.bridge.engine.expire_handoffs)
+            except APIError:  # shutting down
+                return
             now = time.monotonic()
             for lease in [k for k, (_, expiry) in self.leases.items() if expiry < now]:
                 logger.warning("prompt KV lease %s expired unreleased", lease)
@@ -377,7 +395,11 @@ class PrefillService(_KVHolder):
         ``offload_below_blocks`` host blocks would stay free here (default: one prompt of the
         longest length), and to read a prompt's prefix from when they hold more of it than this
         worker's prefix cache."""
-        super().__init__(bridge, registry, "prefill", lease_s)
+        kv = _exchange(bridge).kv
+        #: the summaries of the blocks handed off, for decode workers to read (1/16 of the host
+        #: store with 16-bit summaries of 16-token blocks)
+        self.summaries = SummaryMirror(kv.layout, kv.host.num_blocks)
+        super().__init__(bridge, registry, "prefill", lease_s, self.summaries)
         self.memory = [_Worker(url.rstrip("/")) for url in memory_urls]
         self.puller = None
         if self.memory:
@@ -423,15 +445,18 @@ class PrefillService(_KVHolder):
         try:
             if self.memory:
                 await self._fetch_prefix(ids)
+            block = self.exchange.kv.layout.block_size
+            hand_off = summaries_from is not None and await self.bridge.call(
+                lambda: self.exchange.has_room(-(-len(ids) // block)))  # (else: a full export)
             handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
                                                                      temperature=0.0)], 1,
-                                              hand_off=summaries_from is not None)
+                                              hand_off=hand_off)
             try:
                 async for _ in handle.outputs():
                     pass
             finally:
                 handle.abort()  # (a no-op once finished)
-            if summaries_from is not None:
+            if hand_off:
                 return await self._hand_off(handle.request_ids[0], len(ids), summaries_from)
             blocks, full = await self.bridge.call(
                 lambda: (self.exchange.export(ids),
@@ -452,7 +477,8 @@ class PrefillService(_KVHolder):
 
     async def _hand_off(self, request_id: str, num_tokens: int, first: int) -> dict:
         """The lease on every block of a handed-off prompt, with its handoff: the last token's
-        hidden state and queries, and the summaries of its complete blocks from ``first`` on."""
+        hidden state and queries; the summaries of its complete blocks from ``first`` on wait in
+        the summary mirror, in those blocks' rows."""
         complete = num_tokens // self.exchange.kv.layout.block_size
         first = min(first, complete)
 
@@ -461,12 +487,18 @@ class PrefillService(_KVHolder):
             if handoff is None:
                 raise APIError(500, "the prompt's prefill ended without its handoff (the request "
                                     "failed)")
-            return handoff, self.exchange.summaries_of(handoff.blocks[first:complete])
-        handoff, summaries = await self.bridge.call(
-            take, undo=lambda taken: self.exchange.release(taken[0].blocks))
+            try:
+                blocks = handoff.blocks[first:complete]
+                if blocks:
+                    self.summaries.put(blocks, self.exchange.summaries_of(blocks))
+            except BaseException:
+                self.exchange.release(handoff.blocks)
+                raise
+            return handoff
+        handoff = await self.bridge.call(take,
+                                         undo=lambda taken: self.exchange.release(taken.blocks))
         answer = self._lease(handoff.blocks)
         answer["handoff"] = {"hidden": _pack(handoff.hidden), "queries": _pack(handoff.queries),
-                             "summaries": [_pack(t) for t in summaries],
                              "summaries_from": first}
         return answer
 
@@ -809,7 +841,13 @@ class DecodeRouter:
         self.bridge, self.timeout_s, self.prefill_timeout_s = bridge, timeout_s, prefill_timeout_s
         self.local_prefill_blocks, self.transfer = local_prefill_blocks, transfer
         self.exchange = _exchange(bridge)
-        reader = RemoteReader(self.exchange.kv.host, _agent_name("decode"), timeout_s)
+        kv = self.exchange.kv
+        #: (partial transfer) where a handoff's summaries land, one prompt at a time
+        self.staging = (SummaryMirror(kv.layout, -(-bridge.engine.max_model_len
+                                                  // kv.layout.block_size))
+                        if transfer == "partial" else None)
+        self._staging_lock = asyncio.Lock()
+        reader = RemoteReader(kv.host, _agent_name("decode"), timeout_s, self.staging)
         self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
         self.workers = [_Worker(url.rstrip("/")) for url in urls]
         self.holders: dict[str, _Worker] = {}  # the memory workers prefill workers named
@@ -829,14 +867,16 @@ class DecodeRouter:
         by_worker = ["worker"]  # every counter per prefill worker (its URL)
         if transfer == "partial" and self.cache is None:
             raise ValueError("--pd-transfer partial needs a decode-host cache (--f-host < 1)")
+        if transfer == "partial" and bridge.engine.driver is not None:
+            raise ValueError("--pd-transfer partial takes no tensor-parallel decode worker")
         self._bytes = Counter("oasiskv_pd_admission_bytes",
                               "Bytes moved from prefill or memory workers at admission: prompt KV "
-                              "read (full transfer), or the last block read, the summaries, "
-                              "hidden state and queries of a handoff (partial)",
+                              "read (full transfer), or a handoff's last block and summaries "
+                              "read and its hidden state and queries (partial)",
                               by_worker, registry=registry)
         self._handoff_bytes = Counter("oasiskv_pd_handoff_bytes",
                                       "Of the admission bytes, those of handoffs' HTTP answers "
-                                      "(summaries, hidden states, queries; partial transfer)",
+                                      "(hidden states and queries; partial transfer)",
                                       by_worker, registry=registry)
         self._imported = Counter("oasiskv_pd_blocks_imported",
                                  "Host blocks read from prefill or memory workers", by_worker,
@@ -905,6 +945,7 @@ class DecodeRouter:
             try:  # (blocks no request took: their leases are not renewed for nothing)
                 if self.leases.held:  # (else no lease is renewed: nothing to let go of)
                     await self.bridge.call(lambda: self.cache.drop_unused(IMPORT_GRACE_S))
+                    await self.bridge.call(self.bridge.engine.expire_handoffs)
             except APIError:  # shutting down
                 return
             except Exception:  # noqa: BLE001 (the loop must go on)
@@ -1076,7 +1117,8 @@ class DecodeRouter:
         try:
             h = answer["handoff"]
             hidden, queries = _unpack(h["hidden"]), _unpack(h["queries"])
-            summaries, first = [_unpack(t) for t in h["summaries"]], int(h["summaries_from"])
+            first = int(h["summaries_from"])
+            complete = len(ids) // self.exchange.kv.layout.block_size
             if len(offered) != len(hashes) + 1:
                 raise ValueError(f"a handoff of {len(ids)} tokens names {len(offered)} blocks")
             try:
@@ -1087,24 +1129,31 @@ class DecodeRouter:
                 return
             tail = Import(imp.hashes, imp.blocks, imp.missing[-1:])  # (read only that block)
             await self._read(url, peer, tail, offered[-1:])
+            async with self._staging_lock:
+                if complete > first:
+                    await self._read_summaries(url, peer, imp, offered[first:complete])
+                summaries = self.staging.take(complete - first)
 
-            def finish() -> None:
+            def finish() -> Handoff:
                 nonlocal located
                 blocks = self.exchange.finish_handoff(imp, len(ids), first, summaries)
+                handoff = Handoff(hidden, queries, blocks)
                 try:
                     self.cache.locate(blocks[:-1], offered[:-1], (url, peer), (url, lease))
-                    self.bridge.engine.add_handoff(ids, Handoff(hidden, queries, blocks))
+                    self.bridge.engine.add_handoff(ids, handoff)
                 except BaseException:
                     self.exchange.release(blocks)
                     raise
                 located = True
-            try:
-                await self.bridge.call(finish)
+                return handoff
+            try:  # (cancelled meanwhile: the handoff goes again, its lease with its blocks)
+                await self.bridge.call(finish, undo=lambda handoff: (
+                    self.bridge.engine.scheduler.handoffs.drop(tuple(ids), handoff)))
             except NoRoom as exc:
                 logger.warning("a prompt's handoff cannot be used here (%s); the engine "
                                "prefills it", exc)
                 return
-            carried = _nbytes([hidden, queries, *summaries])
+            carried = _nbytes([hidden, queries])
             self._bytes.labels(url).inc(carried)
             self._handoff_bytes.labels(url).inc(carried)
             self._imported.labels(url).inc(1)
@@ -1136,6 +1185,30 @@ class DecodeRouter:
             raise
         self._latency.labels(url).observe(time.monotonic() - start)
         self._bytes.labels(url).inc(len(src) * self.exchange.block_bytes)
+
+    async def _read_summaries(self, url: str, peer: str, imp: Import, src: list[int]) -> None:
+        """The summaries of blocks ``src`` of the worker at ``url`` (its summary mirror) into
+        staging rows ``0 ..``, one transfer, counted as ``_read`` counts; on failure the import
+        is let go, once nothing more can land in the staging rows (the caller holds them)."""
+        start = time.monotonic()
+        self._reads.labels(url).inc()
+        transfer = None
+        try:
+            transfer = self.puller.reader.read_summaries(peer, src, list(range(len(src))))
+            while not transfer.done():
+                transfer.check_deadline()
+                await asyncio.sleep(_POLL_S)
+        except BaseException:
+            self._failures.labels(url).inc()
+            if transfer is not None and not await _settled(transfer, 10 * self.timeout_s):
+                # (its rows may be written at any time: no staging read again)
+                logger.error("a failed summary read never settled: prompts are admitted with "
+                             "full transfer from now on")
+                self.transfer = "full"
+            await self.bridge.call(lambda: self.exchange.abort_import(imp))
+            raise
+        self._latency.labels(url).observe(time.monotonic() - start)
+        self._bytes.labels(url).inc(len(src) * self.exchange.kv.layout.summary_bytes_per_block)
 
     def _mark_down(self, worker: _Worker, exc: BaseException) -> None:
         logger.warning("prefill worker %s marked down: %s: %s", worker.url,

@@ -69,7 +69,7 @@ def test_a_handed_off_prompt_decodes_the_tokens_of_the_engine_that_prefilled_it(
     assert 3 * block <= run.admission_bytes < full / 4
     # what the seeding selected was read a layer at a time (K = 2 of ~40 blocks per head)
     assert host.reader.layer_units > 0 and host.stats.misses > 0
-    assert sorted(run.idle) == [0, 1, 2] and not host.where
+    assert sorted(run.idle) == [0, 1, 2] and not host.where and not run.held
     host.check_invariants()
 
 

@@ -183,3 +183,33 @@ def test_freed_blocks_join_the_free_list_last_block_first_and_shared_ones_stay()
     bm.free(second)
     assert list(bm.free_blocks) == [4, 5, 6, 7, 3, 2, 1, 0]
     bm.check_invariants([])
+
+
+def test_a_handoff_is_admitted_in_order_and_goes_with_its_waiting_request():
+    """A prompt prefilled elsewhere: its request is admitted in a step of its own once it is first
+    in line (a prefill ahead of it goes first), adopting the handoff's blocks; expiry spares a
+    handoff whose request waits; aborting the waiting request lets its handoff go."""
+    bm = TieredAllocator(32, 3, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    prompt = list(range(1, 11))
+    ahead, handed = (Sequence(list(p), SamplingParams(max_tokens=2)) for p in ([9] * 6, prompt))
+    blocks = bm.hold_new(3)
+    sched.handoffs.add(tuple(prompt), Handoff(None, None, blocks))
+    sched.add(ahead)
+    sched.add(handed)
+    later = time.monotonic() + sched.handoffs.grace_s + 1
+    assert sched.handoffs.expire(now=later, keep={tuple(prompt)}) == 0
+    first = sched.schedule()
+    assert not first.handoff and first.seqs == [ahead]
+    sched.postprocess(first)
+    second = sched.schedule()
+    assert second.handoff and second.seqs == [handed] and second.samples == [True]
+    assert handed.block_table == blocks and handed.num_computed_tokens == len(prompt) - 1
+    assert not bm.held and not sched.handoffs
+    bm.check_invariants([ahead, handed])
+    again = Sequence(list(prompt), SamplingParams(max_tokens=2))
+    sched.handoffs.add(tuple(prompt), Handoff(None, None, bm.hold_new(3)))
+    sched.add(again)
+    sched.abort(again)
+    assert not sched.handoffs and not bm.held
+    bm.check_invariants([ahead, handed])
