@@ -218,7 +218,8 @@ class RemoteReader:
         if self.summaries is not None and "summaries" in d:
             s, mine = d["summaries"], self.summaries.tensors()
             try:
-                summary_addrs, summary_shape = tuple(int(a) for a in s["addrs"]), s["shape"]
+                summary_addrs = tuple(int(a) for a in s["addrs"])
+                summary_shape = [int(n) for n in s["shape"]]
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"not a summary descriptor: {type(exc).__name__}: {exc}") \
                     from None
@@ -227,7 +228,7 @@ class RemoteReader:
                 raise ValueError(f"peer {d['name']} keeps summaries as {s.get('dtype')} "
                                  f"{summary_shape}, this reader {mine[0].dtype} "
                                  f"{tuple(mine[0].shape)}")
-            summary_blocks = int(summary_shape[0])
+            summary_blocks = summary_shape[0]
         if d.get("name") in self.peers:
             return d["name"]
         name = self.agent.add_remote_agent(metadata)
@@ -266,14 +267,16 @@ class RemoteReader:
         if self.summaries is None or not info.summary_addrs:
             raise ValueError(f"no summaries to read from {peer} (a peer or this reader without "
                              "a summary mirror)")
+        if min(src_blocks, default=0) < 0 or min(dst_rows, default=0) < 0:
+            raise ValueError("negative block id")
         src = np.asarray(src_blocks, dtype=np.uint64)
-        dst = np.asarray(dst_rows, dtype=np.int64)
-        if src.shape != dst.shape or src.ndim != 1 or src.size == 0 or dst.min() < 0:
+        dst = np.asarray(dst_rows, dtype=np.uint64)
+        if src.shape != dst.shape or src.ndim != 1 or src.size == 0:
             raise ValueError("src_blocks and dst_rows must be equal-length, non-empty lists")
         if int(src.max()) >= info.summary_blocks or int(dst.max()) >= self.summaries.num_rows:
             raise ValueError("block id past the end of a summary mirror")
-        return self._start(peer, self.summaries.tensors(), info.summary_addrs, src,
-                           dst.astype(np.uint64), np.full(src.shape, -1, dtype=np.int64))
+        return self._start(peer, self.summaries.tensors(), info.summary_addrs, src, dst,
+                           np.full(src.shape, -1, dtype=np.int64))
 
     def _start(self, peer: str, tensors: list[torch.Tensor], addrs: tuple[int, ...],
                src: np.ndarray, dst: np.ndarray, layers: np.ndarray) -> Transfer:

@@ -373,6 +373,8 @@ class _KVHolder:
                 await self.bridge.call(self.bridge.engine.expire_handoffs)
             except APIError:  # shutting down
                 return
+            except Exception:  # noqa: BLE001 (the loop must go on)
+                logger.exception("letting go of unused handoffs failed")
             now = time.monotonic()
             for lease in [k for k, (_, expiry) in self.leases.items() if expiry < now]:
                 logger.warning("prompt KV lease %s expired unreleased", lease)
@@ -396,8 +398,8 @@ class PrefillService(_KVHolder):
         longest length), and to read a prompt's prefix from when they hold more of it than this
         worker's prefix cache."""
         kv = _exchange(bridge).kv
-        #: the summaries of the blocks handed off, for decode workers to read (1/16 of the host
-        #: store with 16-bit summaries of 16-token blocks)
+        #: the summaries of the blocks handed off, for decode workers to read (2 rows per block
+        #: against the host store's 2 * B)
         self.summaries = SummaryMirror(kv.layout, kv.host.num_blocks)
         super().__init__(bridge, registry, "prefill", lease_s, self.summaries)
         self.memory = [_Worker(url.rstrip("/")) for url in memory_urls]
@@ -410,6 +412,7 @@ class PrefillService(_KVHolder):
         self.offload_below = (offload_below_blocks if offload_below_blocks is not None
                               else -(-bridge.engine.max_model_len // block))
         self.timeout_s = timeout_s
+        self._reserved = 0  # host blocks of the handoffs being prefilled (``prefill``)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
         self._offloaded = Counter("oasiskv_pd_blocks_offloaded",
@@ -445,19 +448,27 @@ class PrefillService(_KVHolder):
         try:
             if self.memory:
                 await self._fetch_prefix(ids)
-            block = self.exchange.kv.layout.block_size
+            # a handoff holds every block of its prompt from the end of its prefill on: room for
+            # them is reserved now, with that of the handoffs still on their way (else: a full
+            # export, bounded as ever)
+            need = -(-len(ids) // self.exchange.kv.layout.block_size)
             hand_off = summaries_from is not None and await self.bridge.call(
-                lambda: self.exchange.has_room(-(-len(ids) // block)))  # (else: a full export)
-            handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
-                                                                     temperature=0.0)], 1,
-                                              hand_off=hand_off)
+                lambda: self.exchange.has_room(need + self._reserved))
+            self._reserved += need if hand_off else 0
             try:
-                async for _ in handle.outputs():
-                    pass
+                handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
+                                                                         temperature=0.0)], 1,
+                                                  hand_off=hand_off)
+                try:
+                    async for _ in handle.outputs():
+                        pass
+                finally:
+                    handle.abort()  # (a no-op once finished)
+                if hand_off:
+                    return await self._hand_off(handle.request_ids[0], len(ids),
+                                                summaries_from)
             finally:
-                handle.abort()  # (a no-op once finished)
-            if hand_off:
-                return await self._hand_off(handle.request_ids[0], len(ids), summaries_from)
+                self._reserved -= need if hand_off else 0
             blocks, full = await self.bridge.call(
                 lambda: (self.exchange.export(ids),
                          self.exchange.allocator.num_free_blocks < self.offload_below),
@@ -847,6 +858,7 @@ class DecodeRouter:
                                                   // kv.layout.block_size))
                         if transfer == "partial" else None)
         self._staging_lock = asyncio.Lock()
+        self._staging_broken = False  # a failed read may still write into it: never used again
         reader = RemoteReader(kv.host, _agent_name("decode"), timeout_s, self.staging)
         self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
         self.workers = [_Worker(url.rstrip("/")) for url in urls]
@@ -945,7 +957,7 @@ class DecodeRouter:
             try:  # (blocks no request took: their leases are not renewed for nothing)
                 if self.leases.held:  # (else no lease is renewed: nothing to let go of)
                     await self.bridge.call(lambda: self.cache.drop_unused(IMPORT_GRACE_S))
-                    await self.bridge.call(self.bridge.engine.expire_handoffs)
+                await self.bridge.call(self.bridge.engine.expire_handoffs)
             except APIError:  # shutting down
                 return
             except Exception:  # noqa: BLE001 (the loop must go on)
@@ -1128,11 +1140,21 @@ class DecodeRouter:
                 logger.warning("no host blocks to take a prompt's handoff into (%s)", exc)
                 return
             tail = Import(imp.hashes, imp.blocks, imp.missing[-1:])  # (read only that block)
-            await self._read(url, peer, tail, offered[-1:])
-            async with self._staging_lock:
-                if complete > first:
-                    await self._read_summaries(url, peer, imp, offered[first:complete])
-                summaries = self.staging.take(complete - first)
+            await self._read(url, peer, tail, offered[-1:])  # (a failure lets the import go)
+            try:
+                async with self._staging_lock:
+                    if self._staging_broken:
+                        raise NoRoom("the summary staging area is out of use")
+                    if complete > first:
+                        await self._read_summaries(url, peer, offered[first:complete])
+                    summaries = self.staging.take(complete - first)
+            except BaseException as exc:
+                self._tasks.spawn(self._abort(imp))
+                if isinstance(exc, NoRoom):
+                    logger.warning("a prompt's handoff cannot be used here (%s); the engine "
+                                   "prefills it", exc)
+                    return
+                raise
 
             def finish() -> Handoff:
                 nonlocal located
@@ -1146,7 +1168,7 @@ class DecodeRouter:
                     raise
                 located = True
                 return handoff
-            try:  # (cancelled meanwhile: the handoff goes again, its lease with its blocks)
+            try:  # (cancelled meanwhile: the handoff goes again, unless taken by then)
                 await self.bridge.call(finish, undo=lambda handoff: (
                     self.bridge.engine.scheduler.handoffs.drop(tuple(ids), handoff)))
             except NoRoom as exc:
@@ -1186,10 +1208,11 @@ class DecodeRouter:
         self._latency.labels(url).observe(time.monotonic() - start)
         self._bytes.labels(url).inc(len(src) * self.exchange.block_bytes)
 
-    async def _read_summaries(self, url: str, peer: str, imp: Import, src: list[int]) -> None:
+    async def _read_summaries(self, url: str, peer: str, src: list[int]) -> None:
         """The summaries of blocks ``src`` of the worker at ``url`` (its summary mirror) into
-        staging rows ``0 ..``, one transfer, counted as ``_read`` counts; on failure the import
-        is let go, once nothing more can land in the staging rows (the caller holds them)."""
+        staging rows ``0 ..`` (the caller holds them), one transfer, counted as ``_read`` counts.
+        A failed read NIXL would not cancel may still write them: the staging area is then out
+        of use, and later prompts are admitted with full transfer."""
         start = time.monotonic()
         self._reads.labels(url).inc()
         transfer = None
@@ -1200,15 +1223,19 @@ class DecodeRouter:
                 await asyncio.sleep(_POLL_S)
         except BaseException:
             self._failures.labels(url).inc()
-            if transfer is not None and not await _settled(transfer, 10 * self.timeout_s):
-                # (its rows may be written at any time: no staging read again)
-                logger.error("a failed summary read never settled: prompts are admitted with "
-                             "full transfer from now on")
-                self.transfer = "full"
-            await self.bridge.call(lambda: self.exchange.abort_import(imp))
+            if transfer is not None and not transfer.cancel():
+                logger.error("a failed summary read could not be cancelled: prompts are admitted "
+                             "with full transfer from now on")
+                self._staging_broken, self.transfer = True, "full"
             raise
         self._latency.labels(url).observe(time.monotonic() - start)
         self._bytes.labels(url).inc(len(src) * self.exchange.kv.layout.summary_bytes_per_block)
+
+    async def _abort(self, imp: Import) -> None:
+        try:
+            await self.bridge.call(lambda: self.exchange.abort_import(imp))
+        except APIError:  # shutting down
+            pass
 
     def _mark_down(self, worker: _Worker, exc: BaseException) -> None:
         logger.warning("prefill worker %s marked down: %s: %s", worker.url,

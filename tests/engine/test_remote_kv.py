@@ -1,7 +1,8 @@
 """The remote tier's transport (``kv/remote.py``) with real NIXL agents in separate processes on
 loopback: a serving process holds a host store of known contents; this process reads units of it
 (one layer of a block, whole blocks, bf16 and FP8 with their scales) into its own store with
-one-sided READs and gets exactly those bytes, many units in one transfer; a read from a dead peer
+one-sided READs and gets exactly those bytes, many units in one transfer (and a handoff's block
+summaries from the peer's summary mirror into staging rows); a read from a dead peer
 fails with an error instead of hanging. (Not tested here: a slow peer's timeout. Between
 processes of one host UCX reads the peer's memory directly: a stopped peer still serves reads.)"""
 import multiprocessing as mp
@@ -140,6 +141,65 @@ def test_connecting_a_peer_of_another_layout_is_refused(tmp_path):
         with pytest.raises(ValueError, match="stores torch.float8_e4m3fn"):
             reader.connect(descriptor)
         reader.close()
+    finally:
+        stop.set()
+        proc.join(30)
+
+
+def summary_layout() -> TieredLayout:
+    """FP8 KV and FP8 summaries (values and their scales: two regions)."""
+    return TieredLayout(LAYERS, HEADS, DIM, BLOCK, 4, torch.bfloat16, FP8, FP8)
+
+
+def filled_mirror(rows: int, seed: int):
+    from oasiskv.kv.summaries import SummaryMirror
+    mirror = SummaryMirror(summary_layout(), rows)
+    gen = torch.Generator().manual_seed(seed)
+    for t in mirror.tensors():
+        raw = as_bytes(t).view(torch.uint8)
+        raw.copy_(torch.randint(0, 0x70, raw.shape, generator=gen, dtype=torch.uint8))
+    return mirror
+
+
+def serve_summaries(out: mp.Queue, stop: mp.Event) -> None:
+    from oasiskv.kv.remote import RemoteStore
+    store = RemoteStore(HostStore(summary_layout(), 4, pin=False), f"prefill-{os.getpid()}",
+                        filled_mirror(20, 5))
+    out.put(store.descriptor())
+    stop.wait(120)
+    store.close()
+
+
+def test_summaries_read_from_a_peers_mirror_are_exactly_its_bytes():
+    """A handoff's summaries: rows of the serving process's summary mirror (its host block ids)
+    into the reader's staging rows, values and FP8 scales, in one transfer; a reader without a
+    mirror connects to the same peer but reads no summaries."""
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=serve_summaries, args=(out, stop), daemon=True)
+    proc.start()
+    try:
+        descriptor = out.get(timeout=120)
+        from oasiskv.kv.summaries import SummaryMirror
+        staging = SummaryMirror(summary_layout(), 6)
+        for t in staging.tensors():
+            as_bytes(t).view(torch.uint8).fill_(0xFF)
+        reader = RemoteReader(HostStore(summary_layout(), 4, pin=False),
+                              f"decode-{uuid.uuid4().hex[:8]}", timeout_s=30, summaries=staging)
+        name = reader.connect(descriptor)
+        reader.read_summaries(name, [9, 2, 17], [0, 1, 2]).wait()
+        want = filled_mirror(20, 5)
+        for got, expect in zip(staging.tensors(), want.tensors()):
+            assert torch.equal(as_bytes(got)[:3], as_bytes(expect)[[9, 2, 17]])
+            assert (as_bytes(got)[3:].view(torch.uint8) == 0xFF).all()
+        with pytest.raises(ValueError, match="past the end"):
+            reader.read_summaries(name, [20], [0])
+        reader.close()
+        plain = RemoteReader(HostStore(summary_layout(), 4, pin=False),
+                             f"decode-{uuid.uuid4().hex[:8]}")
+        with pytest.raises(ValueError, match="no summaries"):
+            plain.read_summaries(plain.connect(descriptor), [1], [0])
+        plain.close()
     finally:
         stop.set()
         proc.join(30)

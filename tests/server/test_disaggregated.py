@@ -379,6 +379,32 @@ def test_a_busy_or_refusing_prefill_worker_is_not_marked_down(tmp_path, fixtures
             s.stop()
 
 
+def kill_mid_decode(decode: ServerProcess, reference: ServerProcess, prefill: ServerProcess,
+                    rng: random.Random) -> None:
+    """Two long prompts through ``decode`` (whose blocks ``prefill`` holds) and a short one (less
+    than a block: nothing there) run; ``prefill`` is killed: the long ones end with an error once
+    they need a block only it had, the short one ends as on ``reference``, and ``decode`` stays
+    up with no request running."""
+    fresh = [[rng.randrange(5, 4000) for _ in range(1000)] for _ in range(2)]
+    short = [7, 8, 9, 10, 11]
+    want_short = answer(complete(reference, short, 600))
+    with ThreadPoolExecutor(3) as pool:
+        doomed = [pool.submit(complete, decode, ids, 900) for ids in fresh]
+        alive = pool.submit(complete, decode, short, 600)
+        deadline = time.monotonic() + 60
+        while (decode.metrics()["oasiskv_num_requests_running"] < 3
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        prefill.stop(signal.SIGKILL)
+        for future in doomed:
+            resp = future.result()
+            assert resp.status_code == 500, resp.text
+            assert "KV blocks" in resp.json()["error"]["message"]
+        assert answer(alive.result()) == want_short
+    assert pd_metrics(decode)["oasiskv_pd_cache_read_failures_total"] > 0
+    assert decode.wait_idle()["oasiskv_num_requests_running"] == 0
+
+
 def test_a_bounded_decode_host_reads_evicted_blocks_again(launch, fixtures_path):
     """--f-host 0.25: a decode worker keeps a quarter of each prompt's blocks (and what it
     generates) in host memory and reads evicted ones again from the prefill worker over NIXL when
@@ -417,24 +443,7 @@ def test_a_bounded_decode_host_reads_evicted_blocks_again(launch, fixtures_path)
     assert 0 < m["oasiskv_pd_cache_rows_in_use"] <= m["oasiskv_pd_cache_rows"]
     assert released(prefill)
 
-    fresh = [[rng.randrange(5, 4000) for _ in range(1000)] for _ in range(2)]
-    short = [7, 8, 9, 10, 11]  # less than a block: nothing on the prefill worker
-    want_short = answer(complete(full, short, 600))
-    with ThreadPoolExecutor(3) as pool:
-        doomed = [pool.submit(complete, cache, ids, 900) for ids in fresh]
-        alive = pool.submit(complete, cache, short, 600)
-        deadline = time.monotonic() + 60
-        while (cache.metrics()["oasiskv_num_requests_running"] < 3
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        prefill.stop(signal.SIGKILL)
-        for future in doomed:
-            resp = future.result()
-            assert resp.status_code == 500, resp.text
-            assert "KV blocks" in resp.json()["error"]["message"]
-        assert answer(alive.result()) == want_short
-    assert pd_metrics(cache)["oasiskv_pd_cache_read_failures_total"] > 0
-    assert cache.wait_idle()["oasiskv_num_requests_running"] == 0
+    kill_mid_decode(cache, full, prefill, rng)
 
 
 def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_path):
@@ -444,7 +453,9 @@ def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_pat
     each head's working set from the queries (reading the (block, layer) units it selects) and
     samples the first token itself. At K = 2, so that selections move, it answers token for token
     as a single node, a prompt of whole blocks too; later selections read the blocks they want,
-    and every lease is released once the requests end."""
+    and every lease is released once the requests end. When the prefill worker dies mid-decode,
+    the handed-off requests end with an error once they need a block only it had; a request with
+    nothing there goes on, and the decode worker stays up."""
     rng = random.Random(11)
     prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (1000, 992, 700)]
     flags = ("--topk-blocks", "2", "--draft", "ngram", "--host-kv-gib", "0.05")
@@ -470,3 +481,5 @@ def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_pat
     assert m["oasiskv_pd_cache_misses_total"] > 0 and m["oasiskv_pd_cache_read_bytes_total"] > 0
     assert m["oasiskv_pd_cache_read_failures_total"] == 0
     assert released(prefill)
+
+    kill_mid_decode(decode, single, prefill, rng)
