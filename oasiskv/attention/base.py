@@ -72,6 +72,7 @@ class StepStats:
 
 class AttentionBackend(ABC):
     supports_cuda_graphs: bool = True
+    takes_handoffs: bool = False  #: implements ``admit`` and ``handoff_queries``
     rows_per_seq: int = 1  #: decode rows per sequence in a captured step (its token + extra rows)
 
     # ---- storage ---------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ LRU_PERIOD = 8  # decode steps between two LRU passes of a decode-host cache
 class SparseBackend(AttentionBackend):
     """``probes``: a harness's attachments (``kv/probes.py``). ``drafter``: replaces the one
     ``tier.draft`` names (a lookahead ``draft`` must be set)."""
+    takes_handoffs = True
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype,
                  device: torch.device, probes: TierProbes | None = None,

@@ -113,7 +113,7 @@ def hand_off(prefill: LLM, decode: LLM, ids: list[int]) -> tuple[list[int], list
     first = len(hashes) - dst.uncached(hashes)
     imp = dst.begin_handoff(hashes)
     copy_blocks(src, dst, handoff.blocks[-1:], imp.blocks[-1:])
-    summaries = src.summaries_of(handoff.blocks[first:len(ids) // src.kv.layout.block_size])
+    summaries = src.kv.summaries.read(handoff.blocks[first:len(ids) // src.kv.layout.block_size])
     blocks = dst.finish_handoff(imp, len(ids), first, summaries)
     decode.engine.add_handoff(ids, replace(handoff, blocks=blocks))
     moved = dst.block_bytes + sum(t.numel() * t.element_size() for t in summaries)

@@ -102,9 +102,8 @@ class BlockManager(KVAllocator):
             block = self.hash_to_block.get(h)
             if block is None:
                 break
-            self._take(block)
-            self.held[block] += 1
             blocks.append(block)
+        self.hold(blocks)
         return blocks
 
     def hold_new(self, n: int, remote: bool = False) -> list[int]:
@@ -116,21 +115,15 @@ class BlockManager(KVAllocator):
         return blocks
 
     def hold(self, blocks: list[int]) -> None:
-        """One more hold of each of ``blocks`` (referenced ones, e.g. a live sequence's table)."""
+        """One more hold of each of ``blocks`` (registered or referenced ones, e.g. a live
+        sequence's table)."""
         for block in blocks:
             self._take(block)
             self.held[block] += 1
 
-    def can_adopt(self) -> bool:
-        return True
-
     def adopt(self, seq: Sequence, blocks: list[int]) -> None:
         assert not seq.block_table, "only a fresh sequence adopts blocks"
-        for block in blocks:
-            assert self.held[block] > 0, f"block {block} is not held"
-            self.held[block] -= 1
-            if not self.held[block]:
-                del self.held[block]
+        self._unhold(blocks)
         seq.block_table = list(blocks)
 
     def register(self, block: int, h: int) -> None:
@@ -150,12 +143,16 @@ class BlockManager(KVAllocator):
     def release(self, blocks: list[int]) -> None:
         """Give back one hold of each of ``blocks``; a block no one references is free again (the
         most recently freed: the last to be handed out)."""
+        self._unhold(blocks)
+        self._drop(blocks)
+
+    def _unhold(self, blocks: list[int]) -> None:
+        """One hold less of each of ``blocks`` (their references stay)."""
         for block in blocks:
-            assert self.held[block] > 0, f"block {block} released but not held"
+            assert self.held[block] > 0, f"block {block} is not held"
             self.held[block] -= 1
             if not self.held[block]:
                 del self.held[block]
-        self._drop(blocks)
 
     def _take_free(self, n: int, remote: bool = False) -> list[int]:
         """``n`` free blocks, the oldest freed first, each with one reference and its hash

@@ -155,7 +155,7 @@ class LLMEngine:
         """The request added next with token ids ``prompt`` (and no prompt logprobs) is admitted
         from ``handoff`` (``engine/handoff.py``; its held blocks pass to the request; released
         if no request takes it within ``HandoffTable.grace_s``)."""
-        if self.config.kv_mode != "oasis" or self.driver is not None:
+        if not self.runner.backend.takes_handoffs or self.driver is not None:
             raise ValueError("only a one-rank tiered engine (kv_mode oasis) takes handed-off "
                              "prompts")
         self.scheduler.handoffs.add(tuple(prompt), handoff)

@@ -18,7 +18,7 @@ Partial admission (``engine/handoff.py``): the exporting engine prefills the who
 holds every block of it (``LLMEngine.take_handoff``); the importing engine holds, as for a full
 import, a block per complete block before the last token's, plus a fresh one for the last token's
 block (``begin_handoff``), reads only that last block, writes the summaries the exporter sends
-(``summaries_of`` there, ``finish_handoff`` here) and leaves the other blocks' bytes where they
+(``SummaryStore.read`` there, ``finish_handoff`` here) and leaves the other blocks' bytes where they
 are: a decode-host cache locates them and reads each (block, layer) a selection wants.
 
 Holds are bounded: at most ``MAX_HELD_SHARE`` of the host store is held for exchanges at once, so
@@ -96,22 +96,26 @@ class KVExchange:
     def release(self, blocks: list[int]) -> None:
         self.allocator.release(blocks)
 
-    def begin_import(self, hashes: list[int], remote: bool = False) -> Import:
+    def begin_import(self, hashes: list[int], remote: bool = False, tail: bool = False) -> Import:
         """Hold a host block for each of the offered complete blocks of a prompt (the first of its
         ``prompt_hashes``): the cached one where this store has it, else a fresh one to read into.
         Raises ``NoRoom`` (nothing held) when the store has too few free blocks or the holds would
         pass their bound. ``remote``: the fresh blocks' bytes stay where they are (a decode-host
-        cache gives them no rows: ``locate`` them)."""
-        if not self.has_room(len(hashes)):
+        cache gives them no rows: ``locate`` them). ``tail``: one fresh block more, last (with a
+        row), also missing: the block of the prompt's last token."""
+        n = len(hashes) + tail
+        if not self.has_room(n):
             raise NoRoom(f"exchanges hold {sum(self.allocator.held.values())} host blocks "
-                         f"(at most {self.max_held}): no room for {len(hashes)} more")
+                         f"(at most {self.max_held}): no room for {n} more")
         cached = self.allocator.hold_cached(hashes)
+        fresh = []
         try:
-            fresh = self.allocator.hold_new(len(hashes) - len(cached), remote)
+            fresh += self.allocator.hold_new(len(hashes) - len(cached), remote)
+            fresh += self.allocator.hold_new(1) if tail else []
         except RuntimeError as exc:
-            self.allocator.release(cached)
+            self.allocator.release(cached + fresh)
             raise NoRoom(str(exc)) from None
-        return Import(hashes, cached + fresh, list(range(len(cached), len(hashes))))
+        return Import(hashes, cached + fresh, list(range(len(cached), n)))
 
     def finish_import(self, imp: Import, keep: bool = False) -> list[int]:
         """The missing blocks' bytes are in: summarise them, name each by its hash, let go; with
@@ -131,14 +135,6 @@ class KVExchange:
             self.allocator.release(imp.blocks)
         return imp.blocks
 
-    def summaries_of(self, blocks: list[int]) -> list[torch.Tensor]:
-        """The summaries of complete host ``blocks`` at every layer, on the CPU: ``[L, n, Hk, 2,
-        D]`` in their storage dtype, then (FP8 summaries) their scales ``[L, n, Hk, 2]``."""
-        s, index = self.kv.summaries, torch.tensor(blocks, dtype=torch.long,
-                                                   device=self.kv.device)
-        parts = [s.tables] + ([s.scales] if s.scales[0] is not None else [])
-        return [torch.stack([t[index] for t in tables]).cpu() for tables in parts]
-
     def begin_handoff(self, hashes: list[int]) -> Import:
         """``begin_import`` of a prompt's complete blocks before its last token's (``hashes``),
         plus a fresh held block last: the last token's block, to read whole. Needs a decode-host
@@ -146,25 +142,15 @@ class KVExchange:
         if not self.kv.host.evicts:
             raise ValueError("partial admission needs a decode-host cache (--f-host < 1): a "
                              "host store that keeps every block would never read them")
-        if not self.has_room(len(hashes) + 1):
-            raise NoRoom(f"exchanges hold {sum(self.allocator.held.values())} host blocks (at "
-                         f"most {self.max_held}): no room for {len(hashes) + 1} more")
-        imp = self.begin_import(hashes, remote=True)
-        try:
-            imp.blocks += self.allocator.hold_new(1)
-        except RuntimeError as exc:
-            self.allocator.release(imp.blocks)
-            raise NoRoom(str(exc)) from None
-        imp.missing.append(len(hashes))
-        return imp
+        return self.begin_import(hashes, remote=True, tail=True)
 
     def finish_handoff(self, imp: Import, num_tokens: int, first: int,
                        summaries: list[torch.Tensor]) -> list[int]:
-        """The last block's bytes are in: write ``summaries`` (``summaries_of`` of the exporter's
-        complete blocks ``first ..``) into this import's fresh complete blocks, name those by their
-        hashes. Returns the held blocks (the caller's now: a ``Handoff``'s). Raises ``NoRoom``
-        (nothing held) when a block before ``first``, whose summary was not sent, is not one this
-        store had. ``num_tokens``: the prompt's."""
+        """The last block's bytes are in: write ``summaries`` (the exporter's ``SummaryStore.read``
+        of its complete blocks ``first ..``) into this import's fresh complete blocks, name those
+        by their hashes. Returns the held blocks (the caller's now: a ``Handoff``'s). Raises
+        ``NoRoom`` (nothing held) when a block before ``first``, whose summary was not sent, is
+        not one this store had. ``num_tokens``: the prompt's."""
         complete = num_tokens // self.kv.layout.block_size
         fresh = [i for i in imp.missing if i < complete]
         try:

@@ -82,6 +82,22 @@ class _Peer:
     summary_blocks: int = 0
 
 
+def _units(src_blocks, dst_rows, src_end: int, dst_end: int,
+           where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A read's source blocks and destination rows as uint64 arrays, checked: equal-length,
+    non-empty, each in ``[0, src_end)`` / ``[0, dst_end)`` (``ValueError`` naming ``where``)."""
+    if min(src_blocks, default=0) < 0 or min(dst_rows, default=0) < 0:
+        raise ValueError("negative block id")
+    src = np.asarray(src_blocks, dtype=np.uint64)
+    dst = np.asarray(dst_rows, dtype=np.uint64)
+    if src.shape != dst.shape or src.ndim != 1 or src.size == 0:
+        raise ValueError("source blocks and destination rows must be equal-length, non-empty "
+                         "lists")
+    if int(src.max()) >= src_end or int(dst.max()) >= dst_end:
+        raise ValueError(f"block id past the end of {where}")
+    return src, dst
+
+
 def _regions(tensors: list[torch.Tensor]) -> dict:
     return {"addrs": [t.data_ptr() for t in tensors], "shape": list(tensors[0].shape),
             "dtype": str(tensors[0].dtype)}
@@ -245,14 +261,8 @@ class RemoteReader:
         whole (``layer=None``), at one ``layer``, or at a layer per unit (a sequence; -1: that
         unit's whole block)."""
         info = self.peers[peer]
-        if min(src_blocks, default=0) < 0 or min(dst_blocks, default=0) < 0:
-            raise ValueError("negative block id")
-        src = np.asarray(src_blocks, dtype=np.uint64)
-        dst = np.asarray(dst_blocks, dtype=np.uint64)
-        if src.shape != dst.shape or src.ndim != 1 or src.size == 0:
-            raise ValueError("src_blocks and dst_blocks must be equal-length, non-empty lists")
-        if int(src.max()) >= info.num_blocks or int(dst.max()) >= self.local.k.shape[0]:
-            raise ValueError("block id past the end of a store")
+        src, dst = _units(src_blocks, dst_blocks, info.num_blocks, self.local.k.shape[0],
+                          "a store")
         layers = np.broadcast_to(np.asarray(-1 if layer is None else layer, dtype=np.int64),
                                  src.shape)
         if int(layers.max()) >= self.local.k.shape[1]:
@@ -267,14 +277,8 @@ class RemoteReader:
         if self.summaries is None or not info.summary_addrs:
             raise ValueError(f"no summaries to read from {peer} (a peer or this reader without "
                              "a summary mirror)")
-        if min(src_blocks, default=0) < 0 or min(dst_rows, default=0) < 0:
-            raise ValueError("negative block id")
-        src = np.asarray(src_blocks, dtype=np.uint64)
-        dst = np.asarray(dst_rows, dtype=np.uint64)
-        if src.shape != dst.shape or src.ndim != 1 or src.size == 0:
-            raise ValueError("src_blocks and dst_rows must be equal-length, non-empty lists")
-        if int(src.max()) >= info.summary_blocks or int(dst.max()) >= self.summaries.num_rows:
-            raise ValueError("block id past the end of a summary mirror")
+        src, dst = _units(src_blocks, dst_rows, info.summary_blocks, self.summaries.num_rows,
+                          "a summary mirror")
         return self._start(peer, self.summaries.tensors(), info.summary_addrs, src, dst,
                            np.full(src.shape, -1, dtype=np.int64))
 

@@ -38,11 +38,21 @@ class SummaryStore:
         self._minmax(src, idx0, idx1, self.tables[layer], dst_block, dst_head, src_scale=src_scale,
                      summary_scale=self.scales[layer])
 
+    def _parts(self) -> list[list[torch.Tensor]]:
+        """The per-layer tables, then (FP8) the per-layer scales."""
+        return [self.tables] + ([self.scales] if self.scales[0] is not None else [])
+
+    def read(self, blocks: list[int]) -> list[torch.Tensor]:
+        """The summaries of complete host ``blocks`` at every layer, on the CPU (what another
+        engine ``write``s): ``[L, n, Hk, 2, D]`` in their storage dtype, then (FP8 summaries)
+        their scales ``[L, n, Hk, 2]``."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.tables[0].device)
+        return [torch.stack([t[index] for t in tables]).cpu() for tables in self._parts()]
+
     def write(self, blocks: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        """Summaries made elsewhere (another engine's ``KVExchange.summaries_of``) into host
-        blocks ``blocks`` ``[n]``: ``rows`` = tables ``[L, n, Hk, 2, D]``, then (FP8) scales
-        ``[L, n, Hk, 2]``."""
-        parts = [self.tables] + ([self.scales] if self.scales[0] is not None else [])
+        """Summaries made elsewhere (another engine's ``read``) into host blocks ``blocks``
+        ``[n]``: ``rows`` as ``read`` returns them."""
+        parts = self._parts()
         if len(rows) != len(parts):
             raise ValueError(f"summaries come in {len(rows)} parts, this store keeps "
                              f"{len(parts)} (FP8 summaries on one side only?)")
@@ -74,7 +84,7 @@ class SummaryMirror:
         return [self.values] + ([self.scales] if self.scales is not None else [])
 
     def put(self, rows: list[int], parts: list[torch.Tensor]) -> None:
-        """``parts`` (``KVExchange.summaries_of``: ``[L, n, ...]`` each) into ``rows``."""
+        """``parts`` (``SummaryStore.read``: ``[L, n, ...]`` each) into ``rows``."""
         index = torch.tensor(rows, dtype=torch.long)
         for t, part in zip(self.tensors(), parts):
             as_bytes(t)[index] = as_bytes(part.transpose(0, 1))

@@ -118,6 +118,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import httpx
@@ -168,6 +169,13 @@ def _unpack(d: dict) -> torch.Tensor:
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"not a packed tensor: {type(exc).__name__}: {exc}") from None
+
+
+async def _completed(transfer: Transfer) -> None:
+    """Poll a transfer from the event loop until it completes; raises as ``Transfer.wait``."""
+    while not transfer.done():
+        transfer.check_deadline()
+        await asyncio.sleep(_POLL_S)
 
 
 async def _settled(transfer: Transfer, within_s: float) -> bool:
@@ -282,9 +290,7 @@ class _Puller:
             await self.bridge.call(lambda: self.exchange.abort_import(imp))
             raise
         try:
-            while not transfer.done():
-                transfer.check_deadline()
-                await asyncio.sleep(_POLL_S)
+            await _completed(transfer)
         except BaseException:
             self.tasks.spawn(self._give_up(transfer, imp))
             raise
@@ -501,7 +507,7 @@ class PrefillService(_KVHolder):
             try:
                 blocks = handoff.blocks[first:complete]
                 if blocks:
-                    self.summaries.put(blocks, self.exchange.summaries_of(blocks))
+                    self.summaries.put(blocks, self.exchange.kv.summaries.read(blocks))
             except BaseException:
                 self.exchange.release(handoff.blocks)
                 raise
@@ -1194,42 +1200,45 @@ class DecodeRouter:
                        "KV it holds", memory.url, type(exc).__name__, exc)
         memory.mark_down()
 
-    async def _read(self, url: str, peer: str, imp: Import, src: list[int]) -> None:
-        """Blocks ``src`` of the worker at ``url`` into the import's missing blocks, one transfer
-        (counted here, per worker: the reader's own totals mix the reads other prompts have in
-        flight)."""
+    async def _counted(self, url: str, nbytes: int, read: Awaitable[None]) -> None:
+        """Await ``read``, one transfer of ``nbytes`` from the worker at ``url``, counted here
+        (per worker: the reader's own totals mix the reads other prompts have in flight)."""
         start = time.monotonic()
         self._reads.labels(url).inc()
         try:
-            await self.puller.read(peer, imp, src)
+            await read
         except BaseException:
             self._failures.labels(url).inc()
             raise
         self._latency.labels(url).observe(time.monotonic() - start)
-        self._bytes.labels(url).inc(len(src) * self.exchange.block_bytes)
+        self._bytes.labels(url).inc(nbytes)
+
+    async def _read(self, url: str, peer: str, imp: Import, src: list[int]) -> None:
+        """Blocks ``src`` of the worker at ``url`` into the import's missing blocks, one
+        transfer."""
+        await self._counted(url, len(src) * self.exchange.block_bytes,
+                            self.puller.read(peer, imp, src))
 
     async def _read_summaries(self, url: str, peer: str, src: list[int]) -> None:
         """The summaries of blocks ``src`` of the worker at ``url`` (its summary mirror) into
-        staging rows ``0 ..`` (the caller holds them), one transfer, counted as ``_read`` counts.
-        A failed read NIXL would not cancel may still write them: the staging area is then out
-        of use, and later prompts are admitted with full transfer."""
-        start = time.monotonic()
-        self._reads.labels(url).inc()
+        staging rows ``0 ..`` (the caller holds them), one transfer. A failed read NIXL would not
+        cancel may still write them: the staging area is then out of use, and later prompts are
+        admitted with full transfer."""
         transfer = None
-        try:
+
+        async def read() -> None:
+            nonlocal transfer
             transfer = self.puller.reader.read_summaries(peer, src, list(range(len(src))))
-            while not transfer.done():
-                transfer.check_deadline()
-                await asyncio.sleep(_POLL_S)
+            await _completed(transfer)
+        try:
+            await self._counted(url, len(src) * self.exchange.kv.layout.summary_bytes_per_block,
+                                read())
         except BaseException:
-            self._failures.labels(url).inc()
             if transfer is not None and not transfer.cancel():
                 logger.error("a failed summary read could not be cancelled: prompts are admitted "
                              "with full transfer from now on")
                 self._staging_broken, self.transfer = True, "full"
             raise
-        self._latency.labels(url).observe(time.monotonic() - start)
-        self._bytes.labels(url).inc(len(src) * self.exchange.kv.layout.summary_bytes_per_block)
 
     async def _abort(self, imp: Import) -> None:
         try:
