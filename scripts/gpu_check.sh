@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
 #        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-smoke] [pd-partial]
-#        [pd-bench]
+#        [pd-bench] [profile-host]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -205,6 +205,18 @@ for stage in $stages; do
         --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE" --compare-prefetch-off --python-top "${PYTHON_TOP:-0}" 2>&1 | tee "$OUT/profile_oasis.log" \
         | grep -v '^{'
       summary+=("profile-oasis: $(grep -h 'host wall' "$OUT"/profile_oasis.log | tr '\n' ' ')") ;;
+    profile-host)  # the host's work between replays with prefetch off (what the GPU waits through):
+      # EMU_CONC (default 128) x 32K, EMULATED host, ngram, KV_DTYPE, host stages timed; SHARED_PROMPTS=1
+      # prefills one prompt (prompts share all but their last block); PROFILE_TREES="before after"
+      # runs the tree in .before/ first (see compare)
+      for tree in ${PROFILE_TREES:-after}; do
+        dir=$PWD; [ "$tree" = before ] && dir=$PWD/.before
+        PYTHONPATH=$dir python3 -P scripts/profile_decode.py qwen3-8b --context-lens 32768 \
+          --concurrency "${EMU_CONC:-128}" --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 \
+          --emulated-host-gib 700 --draft ngram --kv-cache-dtype "$KV_DTYPE" --prefetch off \
+          --host-stages ${SHARED_PROMPTS:+--shared-prompts} 2>&1 | tee "$OUT/profile_host_$tree.log" | grep -v '^{'
+        summary+=("profile-host $tree: $(grep -h -E 'host wall|next replay|idle' "$OUT/profile_host_$tree.log" | tr '\n' ' ')")
+      done ;;
     bench-quick)
       python3 -m oasiskv.cli --log-level WARNING bench qwen3-8b --context-lens 4096 --concurrency 1,8 \
         --output-lens 32 --engine oasiskv --max-num-seqs 16 --max-num-batched-tokens 8192 2>&1 \

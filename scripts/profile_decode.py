@@ -5,7 +5,9 @@ python scripts/profile_decode.py [oasiskv bench flags] [--profile-steps N] [--co
 
 Takes the ``oasiskv bench`` flags (exactly one context length and one concurrency; the output length
 is set from the step counts), prefills that many requests (prompt token ids
-``(7 i + j) mod 1000 + 1``, not the bench's random ones), runs 3 warm-up decode steps, times
+``(7 i + j) mod 1000 + 1``, not the bench's random ones; with ``--shared-prompts`` every prompt is
+the same but for its last block, so the prefix cache prefills it once: host work per step is the
+same, the decode kernels read one shared prefix), runs 3 warm-up decode steps, times
 ``--timed-steps`` decode steps on the host clock, then records ``--profile-steps`` steps with
 torch.profiler (CUPTI also sees kernels inside CUDA graph replays) and reads the trace: per stream,
 busy time (union of kernel intervals) per step; "overlapping" is the time at least two streams run
@@ -158,8 +160,67 @@ def host_profile(engine: LLMEngine, steps: int, top: int) -> None:
               f"x{calls / steps:<6.0f} {os.path.basename(path)}:{line} {name}")
 
 
+#: the host's stages of a step, timed by wrapping these methods (owner path from the engine, name;
+#: one the engine lacks is left out, so that an older tree can be timed too)
+HOST_STAGES = [("runner", "held_back"), ("scheduler", "schedule"), ("runner", "_prepare"),
+               ("runner", "_rows"), ("runner.backend", "prepare"), ("runner", "_upload"),
+               ("runner.block_tables", "build"), ("runner.block_tables", "fill"),
+               ("runner.graphs", "run"), ("runner", "_sample"), ("scheduler", "postprocess"),
+               ("runner", "finish"), ("runner.backend.lookahead", "advance"),
+               ("runner.backend.lookahead.drafter", "propose"), ("", "_stop_reason"),
+               ("", "_output"), ("", "_record_step")]
+
+
+def host_stages(engine: LLMEngine, steps: int) -> None:
+    """Wall time per step of each host stage (``HOST_STAGES``; nested stages count in their
+    callers too) and the gap the GPU waits through with prefetch off: from the step's tokens
+    reaching the host (the end of ``_sample``, which waits for them) to the next replay's launch
+    (the start of ``graphs.run``; its copies into the static buffers count in the gap)."""
+    totals: dict[str, float] = defaultdict(float)
+    marks = {"tokens": None, "gaps": []}
+    restore = []
+
+    def timed(owner, name):
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            if name == "run" and marks["tokens"] is not None:
+                marks["gaps"].append(t0 - marks["tokens"])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                t1 = time.perf_counter()
+                totals[f"{type(owner).__name__}.{name}"] += t1 - t0
+                if name == "_sample":
+                    marks["tokens"] = t1
+        setattr(owner, name, call)
+        restore.append((owner, name))
+
+    for path, name in HOST_STAGES:
+        owner = engine
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part, None)
+        if owner is not None and hasattr(owner, name):
+            timed(owner, name)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    for owner, name in restore:
+        delattr(owner, name)  # (the instance attribute shadowed the class's method)
+    gaps = sorted(marks["gaps"])
+    print(f"   host stages, wall ms/step over {steps} steps (step {wall:.2f}); tokens read -> "
+          f"next replay launched: median {gaps[len(gaps) // 2] * 1e3 if gaps else float('nan'):.2f}"
+          f" ms")
+    for key, total in totals.items():
+        print(f"      {total / steps * 1e3:7.3f} ms  {key}")
+
+
 def measure(engine: LLMEngine, timed: int, profiled: int, top: int,
-            python_top: int = 0) -> tuple[float, dict]:
+            python_top: int = 0, stages: bool = False) -> tuple[float, dict]:
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
@@ -169,6 +230,8 @@ def measure(engine: LLMEngine, timed: int, profiled: int, top: int,
     wall_ms = (time.perf_counter() - t0) / timed * 1e3
     if python_top:
         host_profile(engine, timed, python_top)
+    if stages:
+        host_stages(engine, timed)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(profiled):
             engine.step()
@@ -189,6 +252,10 @@ def main() -> None:
     parser.add_argument("--compare-prefetch-off", action="store_true")
     parser.add_argument("--python-top", type=int, default=0,
                         help="also list this many Python functions by host time (cProfile)")
+    parser.add_argument("--shared-prompts", action="store_true",
+                        help="prompts that share all but their last block (a fast prefill)")
+    parser.add_argument("--host-stages", action="store_true",
+                        help="also time the host's stages of a step (wall clock, not cProfile)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA GPU")
@@ -197,14 +264,17 @@ def main() -> None:
     except ValueError:
         sys.exit("profile_decode.py takes one --context-lens and one --concurrency (numbers)")
     phases = 2 if args.compare_prefetch_off else 1
-    timed = args.timed_steps * (2 if args.python_top else 1)
+    timed = args.timed_steps * (1 + bool(args.python_top) + args.host_stages)
     args.output_lens = str(phases * (timed + args.profile_steps + 5) + 2)
     fit_defaults(args)
     config = config_from_args(args)
     engine = make_engine(config, args.emulated_host_gib)  # as served: no stall clock marks
     params = SamplingParams(max_tokens=int(args.output_lens), temperature=0.0, ignore_eos=True)
     for i in range(concurrency):
-        engine.add_request([(7 * i + j) % 1000 + 1 for j in range(context)], params)
+        own = context - (context - 1) // config.block_size * config.block_size
+        shared = context - own if args.shared_prompts else 0
+        engine.add_request([(7 * (j >= shared) * i + j) % 1000 + 1 for j in range(context)],
+                           params)
     t0 = time.perf_counter()
     while engine.stats.num_waiting or engine.stats.last_step_prefill or not engine.stats.num_steps:
         engine.step()
@@ -212,7 +282,8 @@ def main() -> None:
           f"draft={config.tier.draft!r} "
           f"prefetch={config.tier.prefetch} graphs={engine.runner.graphs is not None}; prefill "
           f"{time.perf_counter() - t0:.1f} s; running {len(engine.scheduler.running)}")
-    wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top, args.python_top)
+    wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top, args.python_top,
+                          args.host_stages)
     report(f"prefetch={config.tier.prefetch}", wall, stats)
     result = {"config": vars(args),
               "phases": [{"prefetch": config.tier.prefetch, "wall_ms": wall, **stats}]}
@@ -221,7 +292,7 @@ def main() -> None:
         if engine.runner.graphs is not None:
             engine.runner.graphs._capture()
         wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top,
-                              args.python_top)
+                              args.python_top, args.host_stages)
         report("prefetch=off (same requests"
                + (", graphs recaptured)" if engine.runner.graphs else ")"), wall, stats)
         result["phases"].append({"prefetch": "off", "wall_ms": wall, **stats})

@@ -19,15 +19,19 @@ class BlockTableRows:
 
     def build(self, seqs) -> np.ndarray:
         """int32 ``[len(seqs), widest table]``: each sequence's block table, zero padded."""
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
+        self.fill(seqs, tables)
+        return tables
+
+    def fill(self, seqs, out: np.ndarray) -> None:
+        """Write each sequence's block table into the first entries of its row of ``out``
+        (int32 ``[>= len(seqs), >= widest table]``); the entries past them keep their values."""
         if len(self._rows) > 2 * self.max_live:  # forget sequences that are gone
             live = {s.seq_id for s in seqs}
             self._rows = {k: v for k, v in self._rows.items() if k in live}
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for out, seq in zip(tables, seqs):
+        for dst, seq in zip(out, seqs):
             row = self._row(seq)
-            out[:len(row)] = row
-        return tables
+            dst[:len(row)] = row
 
     def _row(self, seq) -> np.ndarray:
         table = seq.block_table

@@ -1,12 +1,17 @@
 """CudaGraphRunner: decode steps replayed from CUDA graphs captured per batch-size bucket.
 
-Static buffers hold the largest bucket; a step of B sequences copies its ForwardBatch into them and
-replays the smallest bucket b >= B. With ``k = backend.rows_per_seq`` a bucket of b runs k * b rows:
-row group j (rows j*b .. j*b + b) holds the step's group j (its sequences' tokens, then each group
-of the backend's extra rows), padded to b. Padding rows have slot -1 (nothing stored), position 0
-and context length 0 (the decode kernels skip them); the backend pads its own ``meta`` in
-``prepare_replay``. Block tables are ``max_blocks_per_seq`` wide so the graph's kernel grids never
-depend on the step's contents. All buckets share one memory pool.
+Static buffers hold the largest bucket; a step of B sequences replays the smallest bucket b >= B.
+With ``k = backend.rows_per_seq`` a bucket of b runs k * b rows: row group j (rows j*b .. j*b + b)
+holds the step's group j (its sequences' tokens, then each group of the backend's extra rows),
+padded to b. Padding rows have slot -1 (nothing stored), position 0 and context length 0 (the
+decode kernels skip them); the backend pads its own ``meta`` in ``prepare_replay``. Block tables
+are ``max_blocks_per_seq`` wide so the graph's kernel grids never depend on the step's contents.
+All buckets share one memory pool.
+
+The static inputs (token ids, positions, slots, context lengths, block tables) are views of one
+device buffer with a pinned host mirror laid out the same way: a step writes its inputs into the
+mirror, already in the bucket's padded layout, and moves them with one copy (no per-field device
+copies, no second staging buffer).
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ import logging
 import torch
 
 from oasiskv.attention.base import AttentionBackend
-from oasiskv.engine.forward_batch import ForwardBatch, forward_context
+from oasiskv.engine.block_tables import BlockTableRows
+from oasiskv.engine.forward_batch import ForwardBatch, StepRows, forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +44,28 @@ class CudaGraphRunner:
         self.buckets = graph_buckets(max_bs)
         self.rows_per_seq = backend.rows_per_seq
         rows = self.rows_per_seq * max_bs
-        self.static = ForwardBatch(
-            is_prefill=False,
-            input_ids=torch.zeros(rows, dtype=torch.long, device=device),
-            positions=torch.zeros(rows, dtype=torch.long, device=device),
-            slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=device),
-            block_tables=torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32,
-                                     device=device),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
-        )
+        # one byte buffer, int64 fields first, block tables last (a step copies only the rows of
+        # its bucket's tables): (name, dtype, shape)
+        fields = [("input_ids", torch.long, (rows,)), ("positions", torch.long, (rows,)),
+                  ("slot_mapping", torch.long, (rows,)),
+                  ("context_lens", torch.int32, (max_bs,)),
+                  ("block_tables", torch.int32, (max_bs, max_blocks_per_seq))]
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in fields]
+        total = sum(-(-n // 16) * 16 for n in sizes)
+        self._device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
+        self._host_bytes = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
+        self._uploaded = torch.cuda.Event()  # after the last copy out of the host mirror
+        views, host, offset = {}, {}, 0
+        for (name, dtype, shape), n in zip(fields, sizes):
+            self._tables_offset = offset  # (the last field's)
+            views[name] = self._device_bytes[offset:offset + n].view(dtype).view(shape)
+            host[name] = self._host_bytes[offset:offset + n].view(dtype).view(shape).numpy()
+            offset += -(-n // 16) * 16
+        self._row_bytes = max_blocks_per_seq * 4
+        self.static = ForwardBatch(is_prefill=False, **views)
+        self.host = host  # numpy views of the mirror, by field
+        self.host["slot_mapping"][:] = -1
+        self._device_bytes.copy_(self._host_bytes)
         self.metas = backend.init_graphs(self.buckets)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -86,28 +105,33 @@ class CudaGraphRunner:
         logger.info("captured decode CUDA graphs for batch sizes %s (%d rows per sequence)",
                     self.buckets, self.rows_per_seq)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Replay for a decode ``batch`` -> hidden ``[T, H]`` in the batch's row order, or None when
-        the step does not fit a captured layout (too many sequences, not ``rows_per_seq`` rows per
-        sequence, or the backend declines): the caller runs it eagerly. Table columns past a row's
-        blocks keep stale values: no kernel reads them."""
-        bs, k = batch.num_seqs, self.rows_per_seq
-        if bs > self.max_bs or batch.num_tokens != k * bs:
+    def run(self, rows: StepRows, seqs: list, tables: BlockTableRows) -> torch.Tensor | None:
+        """Replay for a decode step -> hidden ``[T, H]`` in the step's row order, or None when the
+        step does not fit a captured layout (too many sequences, not ``rows_per_seq`` rows per
+        sequence, or the backend declines): the caller runs it eagerly. ``rows``: the step's
+        rows on the host (and the backend's meta); ``tables``: the sequences' block tables. Table
+        columns past a row's blocks keep stale values: no kernel reads them."""
+        bs, k = len(seqs), self.rows_per_seq
+        if bs > self.max_bs or len(rows.ids) != k * bs:
             return None
         padded = next(b for b in self.buckets if b >= bs)
-        if not self.backend.prepare_replay(batch.meta, bs, padded):
+        if not self.backend.prepare_replay(rows.meta, bs, padded):
             return None
-        s = self.static
+        self._uploaded.synchronize()  # (the last step's copy out of the mirror: long done)
+        h = self.host
         for j in range(k):  # row group j of the step -> rows j*padded.. of the bucket
             lo, src = j * padded, slice(j * bs, (j + 1) * bs)
-            s.input_ids[lo:lo + bs].copy_(batch.input_ids[src])
-            s.positions[lo:lo + bs].copy_(batch.positions[src])
-            s.positions[lo + bs:lo + padded].fill_(0)
-            s.slot_mapping[lo:lo + bs].copy_(batch.slot_mapping[src])
-            s.slot_mapping[lo + bs:lo + padded].fill_(-1)
-        s.block_tables[:bs, :batch.block_tables.shape[1]].copy_(batch.block_tables)
-        s.context_lens[:bs].copy_(batch.context_lens)
-        s.context_lens[bs:padded].fill_(0)
+            h["input_ids"][lo:lo + bs] = rows.ids[src]
+            h["positions"][lo:lo + bs] = rows.positions[src]
+            h["positions"][lo + bs:lo + padded] = 0
+            h["slot_mapping"][lo:lo + bs] = rows.slots[src]
+            h["slot_mapping"][lo + bs:lo + padded] = -1
+        h["context_lens"][:bs] = rows.context_lens
+        h["context_lens"][bs:padded] = 0
+        tables.fill(seqs, h["block_tables"])
+        end = self._tables_offset + bs * self._row_bytes
+        self._device_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
+        self._uploaded.record()
         self.graphs[padded].replay()
         out = self.outputs[padded]
         return torch.cat([out[j * padded:j * padded + bs] for j in range(k)]) if k > 1 else out[:bs]

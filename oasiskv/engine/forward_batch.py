@@ -20,6 +20,18 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class StepRows:
+    """A step's rows on the host, before they move to the device: token ids, positions and cache
+    slots per row (the sequences' tokens, then the backend's extra rows), tokens each sequence
+    attends to (``context_lens``, per sequence); and the backend's ``StepPlan.meta``."""
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    context_lens: list[int]
+    meta: Any = None
+
+
+@dataclass
 class ForwardBatch:
     """Per-step metadata. T = rows in the step, B = sequences.
 

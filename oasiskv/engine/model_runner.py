@@ -23,7 +23,7 @@ from oasiskv.attention.base import StepStats
 from oasiskv.config import EngineConfig, ModelConfig, parse_dtype
 from oasiskv.engine.block_tables import BlockTableRows
 from oasiskv.engine.cuda_graph import CudaGraphRunner
-from oasiskv.engine.forward_batch import (ForwardBatch, forward_context, to_device,
+from oasiskv.engine.forward_batch import (ForwardBatch, StepRows, forward_context, to_device,
                                           to_device_many)
 from oasiskv.engine.handoff import Handoff
 from oasiskv.engine.scheduler import ScheduledBatch
@@ -215,15 +215,16 @@ class ModelRunner:
         sequences' tokens, then the backend's extra rows). Runs with the engine's GPU current
         (Triton launches on the current device; callers may be other threads)."""
         with self._device_scope():
-            fb = self._prepare(batch)
+            rows = self._rows(batch)
+            if not batch.is_prefill and self.graphs is not None:
+                hidden = self.graphs.run(rows, batch.seqs, self.block_tables)
+                if hidden is not None:
+                    return hidden
+            fb = self._upload(batch, rows)
             if self.device.type == "cpu":
                 threads = cpu_threads(self.config.cpu_threads, fb.input_ids.shape[0])
                 if threads != torch.get_num_threads():
                     torch.set_num_threads(threads)
-            if not fb.is_prefill and self.graphs is not None:
-                hidden = self.graphs.run(fb)
-                if hidden is not None:
-                    return hidden
             with forward_context(fb, self.backend):
                 return self.model(fb.input_ids, fb.positions)
 
@@ -251,24 +252,34 @@ class ModelRunner:
     def _to_device(self, data, dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    def _prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        ids, pos, slots, ctx = [], [], [], []
-        bs = self.config.block_size
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start, table = seq.num_computed_tokens, seq.block_table
-            ids += seq.token_ids[start:start + n]
-            pos += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            ctx.append(start + n)
+    def _rows(self, batch: ScheduledBatch) -> StepRows:
+        """The step's rows on the host, the backend's extra rows after the sequences' (its
+        ``prepare`` runs here), and the backend's meta."""
+        bs, seqs = self.config.block_size, batch.seqs
+        if batch.is_prefill:
+            ids, pos, slots = [], [], []
+            for seq, n in zip(seqs, batch.num_tokens):
+                start, table = seq.num_computed_tokens, seq.block_table
+                ids += seq.token_ids[start:start + n]
+                pos += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        else:  # a decode step computes one token of each sequence: the first not computed
+            pos = [s.num_computed_tokens for s in seqs]
+            ids = [s.token_ids[p] for s, p in zip(seqs, pos)]
+            slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        ctx = [s.num_computed_tokens + n for s, n in zip(seqs, batch.num_tokens)]
         plan = self.backend.prepare(batch)
-        ids += plan.extra_ids
-        pos += plan.extra_positions
-        slots += [-1] * len(plan.extra_ids)
+        return StepRows(ids + plan.extra_ids, pos + plan.extra_positions,
+                        slots + [-1] * len(plan.extra_ids), ctx, plan.meta)
+
+    def _upload(self, batch: ScheduledBatch, rows: StepRows) -> ForwardBatch:
+        """The eager step's ``ForwardBatch``: its rows and block tables in one host-to-device
+        copy."""
         tables = self.block_tables.build(batch.seqs)
         return ForwardBatch(batch.is_prefill, *to_device_many(
-            [(ids, torch.long), (pos, torch.long), (slots, torch.long), (tables, torch.int32),
-             (ctx, torch.int32)], self.device),
-            list(batch.num_tokens), [s.num_computed_tokens for s in batch.seqs], plan.meta)
+            [(rows.ids, torch.long), (rows.positions, torch.long), (rows.slots, torch.long),
+             (tables, torch.int32), (rows.context_lens, torch.int32)], self.device),
+            list(batch.num_tokens), [s.num_computed_tokens for s in batch.seqs], rows.meta)
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor,
                 forced: list[int | None] | None = None) -> StepResult:

@@ -35,3 +35,15 @@ def test_rows_follow_appends_replacements_and_other_sequences():
     for seq_id in range(3, 12):  # many sequences come and go: old rows are forgotten
         check(SimpleNamespace(seq_id=seq_id, block_table=[seq_id] * seq_id), a)
     assert len(rows._rows) <= 2 * 2 + 1
+
+
+def test_fill_writes_each_row_prefix_and_leaves_the_rest():
+    rows = BlockTableRows(max_live=4)
+    a, b = (SimpleNamespace(seq_id=1, block_table=[7, 8, 9]),
+            SimpleNamespace(seq_id=2, block_table=[4]))
+    out = np.full((3, 5), -5, dtype=np.int32)  # a graph's static tables: wider, more rows
+    rows.fill([a, b], out)
+    np.testing.assert_array_equal(out, [[7, 8, 9, -5, -5], [4, -5, -5, -5, -5], [-5] * 5])
+    a.block_table.append(10)
+    rows.fill([b, a], out)  # rows follow the sequences' order
+    np.testing.assert_array_equal(out, [[4, 8, 9, -5, -5], [7, 8, 9, 10, -5], [-5] * 5])
