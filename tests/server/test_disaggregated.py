@@ -8,7 +8,10 @@ sizes computed here), and none of a prefix it already holds; a killed prefill wo
 and its prompts go to the other one; with none left a long prompt gets an OpenAI-shaped 503 while a
 prompt shorter than a block (nothing to move) is still served, and the decode worker stays up. A
 prefill worker that never answers holds up only the prompt sent to it, until its deadline: then it
-is marked down, the prompt goes to the other worker, and a stream running meanwhile never stops."""
+is marked down, the prompt goes to the other worker, and a stream running meanwhile never stops.
+A prefill worker paused with SIGSTOP (UCX on TCP only) stalls only the decode-host cache's request
+whose evicted blocks it holds, which then ends with the tokens of a decode worker keeping every
+block, while a stream with nothing there goes on."""
 import json
 import random
 import signal
@@ -16,6 +19,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -136,13 +140,14 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
 
 @pytest.fixture
 def launch(tmp_path, fixtures_path):
-    """``launch(name, *flags)``: a server of the fixture target with FLAGS and ``flags``, logging
-    to ``tmp_path / name.log``; every one is stopped at the end."""
+    """``launch(name, *flags, env=None)``: a server of the fixture target with FLAGS and
+    ``flags`` (and the variables ``env`` in its environment), logging to ``tmp_path / name.log``;
+    every one is stopped at the end."""
     started = []
 
-    def start(name: str, *flags: str) -> ServerProcess:
+    def start(name: str, *flags: str, env: dict | None = None) -> ServerProcess:
         started.append(ServerProcess(tmp_path / f"{name}.log", str(fixtures_path / "target"),
-                                     *FLAGS, *flags))
+                                     *FLAGS, *flags, env=env))
         return started[-1]
 
     yield start
@@ -444,6 +449,94 @@ def test_a_bounded_decode_host_reads_evicted_blocks_again(launch, fixtures_path)
     assert released(prefill)
 
     kill_mid_decode(cache, full, prefill, rng)
+
+
+def until(condition, timeout: float = 60.0) -> None:
+    """Poll ``condition`` until it holds; fails past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def stream(server: ServerProcess, ids: list[int], max_tokens: int, arrivals: list[float],
+           tokens: list[str], stop: threading.Event | None = None) -> None:
+    """A streamed completion of ``ids``: each chunk's arrival time into ``arrivals``, its tokens
+    into ``tokens``; until its last token, or the first chunk after ``stop`` is set."""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "logprobs": 1, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+                tokens += json.loads(line[len("data: "):])["choices"][0]["logprobs"]["tokens"]
+            if stop is not None and stop.is_set():
+                break
+
+
+def stopped(server: ServerProcess) -> bool:
+    """Whether ``server``'s process is stopped (a SIGSTOP took effect)."""
+    stat = Path(f"/proc/{server.proc.pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"  # (the state follows the command's name)
+
+
+def test_a_slow_remote_stalls_only_the_requests_that_read_from_it(launch, tmp_path):
+    """A prefill worker paused (SIGSTOP) for a few seconds serves no NIXL read meanwhile: UCX on
+    TCP only, whose one-sided reads need the serving process's progress (a shared-memory
+    transport reads a stopped process's memory without it). A decode worker with a decode-host
+    cache (--f-host 0.25, --remote-stall-ms 0) reads evicted blocks of a long prompt again from
+    it: that request stalls for most of the pause, then ends with the tokens of a decode worker
+    that keeps every block; a stream of a prompt shorter than a block (nothing there) goes on
+    through the same decode worker all along. The pause is within the reads' deadline
+    (--remote-timeout 30): no read fails, the reads were deferred, nothing is left running."""
+    pause = 5.0
+    tcp = {"UCX_TLS": "tcp"}
+    flags = ("--topk-blocks", "2", "--draft", "ngram", "--host-kv-gib", "0.05")
+    prefill = launch("prefill", *flags, "--role", "prefill", env=tcp)
+    full = launch("decode-full", *flags, "--role", "decode", "--prefill-url", prefill.url,
+                  env=tcp)
+    cache = launch("decode-cache", *flags, "--role", "decode", "--prefill-url", prefill.url,
+                   "--f-host", "0.25", "--remote-stall-ms", "0", "--remote-timeout", "30",
+                   env=tcp)
+    rng = random.Random(13)
+    ids = [rng.randrange(5, 4000) for _ in range(1000)]
+    want = answer(complete(full, ids, 96))[1]
+    short_at, long_at, got, done = [], [], [], threading.Event()
+    short = threading.Thread(target=stream, args=(cache, [7, 8, 9, 10, 11], 2000, short_at, [],
+                                                  done))
+    long = threading.Thread(target=stream, args=(cache, ids, 96, long_at, got))
+    short.start()
+    until(lambda: len(short_at) >= 5)
+    long.start()
+    # decoding, its blocks read again at least once: what the pause holds up is a read, not the
+    # connection
+    until(lambda: len(long_at) >= 2 and pd_metrics(cache).get("oasiskv_pd_cache_reads_total"))
+    prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        until(lambda: stopped(prefill))
+        paused = time.monotonic()
+        time.sleep(pause)
+    finally:
+        prefill.proc.send_signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    long.join(120)
+    done.set()
+    short.join(120)
+
+    gaps = [b - a for a, b in zip(long_at, long_at[1:])]
+    assert max(gaps) >= 0.6 * pause, gaps  # it waited for its blocks
+    during = [t for t in short_at if paused <= t <= resumed]
+    short_gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(during) > 20 and max(short_gaps) < 1.5, (len(during), max(short_gaps, default=0))
+    assert got == want
+    m = pd_metrics(cache)
+    assert m["oasiskv_pd_cache_read_seconds_sum"] >= 0.6 * pause  # (the NIXL read took it)
+    assert m["oasiskv_pd_cache_deferred_reads_total"] > 0
+    assert m["oasiskv_pd_cache_read_failures_total"] == 0
+    assert cache.wait_idle()["oasiskv_num_requests_running"] == 0
+    assert released(prefill)
+    for name in ("decode-cache", "prefill"):
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
 
 
 def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_path):
