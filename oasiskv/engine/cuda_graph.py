@@ -22,7 +22,8 @@ import torch
 
 from oasiskv.attention.base import AttentionBackend
 from oasiskv.engine.block_tables import BlockTableRows
-from oasiskv.engine.forward_batch import ForwardBatch, StepRows, forward_context
+from oasiskv.engine.forward_batch import (ForwardBatch, StepRows, forward_context,
+                                          packed_offsets)
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +52,15 @@ class CudaGraphRunner:
                   ("context_lens", torch.int32, (max_bs,)),
                   ("block_tables", torch.int32, (max_bs, max_blocks_per_seq))]
         sizes = [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in fields]
-        total = sum(-(-n // 16) * 16 for n in sizes)
+        offsets, total = packed_offsets(sizes)
         self._device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
         self._host_bytes = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
         self._uploaded = torch.cuda.Event()  # after the last copy out of the host mirror
-        views, host, offset = {}, {}, 0
-        for (name, dtype, shape), n in zip(fields, sizes):
-            self._tables_offset = offset  # (the last field's)
+        views, host = {}, {}
+        for (name, dtype, shape), n, offset in zip(fields, sizes, offsets):
             views[name] = self._device_bytes[offset:offset + n].view(dtype).view(shape)
             host[name] = self._host_bytes[offset:offset + n].view(dtype).view(shape).numpy()
-            offset += -(-n // 16) * 16
-        self._row_bytes = max_blocks_per_seq * 4
+        self._tables_offset = offsets[-1]
         self.static = ForwardBatch(is_prefill=False, **views)
         self.host = host  # numpy views of the mirror, by field
         self.host["slot_mapping"][:] = -1
@@ -129,7 +128,7 @@ class CudaGraphRunner:
         h["context_lens"][:bs] = rows.context_lens
         h["context_lens"][bs:padded] = 0
         tables.fill(seqs, h["block_tables"])
-        end = self._tables_offset + bs * self._row_bytes
+        end = self._tables_offset + h["block_tables"][:bs].nbytes
         self._device_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
         self._uploaded.record()
         self.graphs[padded].replay()

@@ -72,6 +72,16 @@ _ALIGN = 16  # bytes between packed arrays: every dtype's views stay aligned
 _RING = 8  # pinned staging buffers per thread and device, reused in turn
 
 
+def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of arrays of ``sizes`` bytes packed back to back in one buffer, each aligned
+    so that every dtype's view of it stays aligned, and the buffer's size."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // _ALIGN) * _ALIGN
+    return offsets, total
+
+
 def to_device_many(arrays: list[tuple[Any, torch.dtype]],
                    device: torch.device) -> list[torch.Tensor]:
     """Host lists / numpy arrays, each with its dtype (int64, int32 or float32) -> tensors on
@@ -84,10 +94,7 @@ def to_device_many(arrays: list[tuple[Any, torch.dtype]],
         return [torch.from_numpy(data) if isinstance(data, np.ndarray)
                 else torch.tensor(data, dtype=dtype) for data, dtype in arrays]
     hosts = [np.ascontiguousarray(data, dtype=_NUMPY[dtype]) for data, dtype in arrays]
-    offsets, total = [], 0
-    for host in hosts:
-        offsets.append(total)
-        total += -(-host.nbytes // _ALIGN) * _ALIGN
+    offsets, total = packed_offsets([host.nbytes for host in hosts])
     ring = _rings.__dict__.setdefault(device, _PinnedRing())
     slot, staging = ring.take(total)
     flat = staging.numpy()
