@@ -252,21 +252,11 @@ def test_a_silent_prefill_worker_stalls_only_its_prompt(tmp_path, fixtures_path)
         servers.append(decode)
         arrivals: list[float] = []
         done = threading.Event()
-
-        def stream() -> None:  # a short prompt: admitted at once, decoding until told to stop
-            with httpx.stream("POST", decode.url + "/v1/completions", timeout=120,
-                              json={"prompt": [5, 6, 7], "max_tokens": 2000, "temperature": 0,
-                                    "ignore_eos": True, "stream": True}) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        arrivals.append(time.monotonic())
-                    if done.is_set():
-                        break
-
-        streaming = threading.Thread(target=stream)
+        # a short prompt: admitted at once, decoding until told to stop
+        streaming = threading.Thread(target=stream, args=(decode, [5, 6, 7], 2000, arrivals, [],
+                                                          done))
         streaming.start()
-        while len(arrivals) < 5:
-            time.sleep(0.01)
+        until(lambda: len(arrivals) >= 5)
         start = time.monotonic()
         ids = random.Random(9).sample(range(5, 4000), 90)
         text, _ = answer(complete(decode, ids))  # tried on the silent worker first
