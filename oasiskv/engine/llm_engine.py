@@ -168,6 +168,15 @@ class LLMEngine:
                    if self.scheduler.handoffs else set())
         return self.handed_off.expire() + self.scheduler.handoffs.expire(keep=waiting)
 
+    def pending_handoff_blocks(self) -> int:
+        """Host blocks the ``hand_off`` requests here will hold once their prefills end (a
+        handoff holds every block of its prompt; from then on they are held, and not counted
+        here)."""
+        size = self.allocator.block_size
+        return sum(-(-len(r.seq.prompt_token_ids) // size) for r in self.requests.values()
+                   if r.seq.hand_off and not r.seq.output_token_ids
+                   and not r.seq.is_finished)
+
     def take_handoff(self, request_id: str) -> Handoff | None:
         """The ``Handoff`` of a ``hand_off`` request whose prefill has ended (its blocks held: the
         caller releases them, ``allocator.release``), or None (not yet, or it failed)."""

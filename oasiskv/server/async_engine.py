@@ -50,7 +50,8 @@ class _Add:
     reply: asyncio.Future
     # TTFT counts queueing too
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-    hand_off: bool = False  # keep each prompt's Handoff (``LLMEngine.take_handoff``)
+    # keep each prompt's Handoff (``LLMEngine.take_handoff``) (a predicate: asked on adding)
+    hand_off: bool | Callable[[], bool] = False
 
 
 @dataclass
@@ -86,6 +87,7 @@ class RequestHandle:
         self._engine = engine
         self.request_ids = request_ids
         self.prompt_token_ids: list[list[int]] = []
+        self.hand_off = False  # whether the engine keeps the prompts' handoffs (``submit``)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | APIError]] = asyncio.Queue()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -170,7 +172,7 @@ class AsyncEngine:
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
                      max_tokens: int | None, arrival_time: float | None = None,
-                     hand_off: bool = False) -> RequestHandle:
+                     hand_off: bool | Callable[[], bool] = False) -> RequestHandle:
         """Start ``len(prompts) * len(params)`` engine requests, all or none.
 
         ``prompts``: token ids that passed ``check_prompts`` with this ``max_tokens``. ``params[j]``
@@ -181,7 +183,9 @@ class AsyncEngine:
         ``max_waiting`` engine requests would be unfinished or the server is shutting down.
         ``arrival_time`` (``time.monotonic``, default now): where TTFT and latency start, e.g.
         before a disaggregated decode worker brought the prompt's KV in. ``hand_off``: the engine
-        keeps each prompt's ``Handoff`` (a prefill worker's partial admission).
+        keeps each prompt's ``Handoff`` (a prefill worker's partial admission); a predicate is
+        asked on the engine thread just before the requests are added (e.g. whether the host store
+        has room for the blocks the handoffs will hold), and ``handle.hand_off`` says what it gave.
         """
         count = len(prompts) * len(params)
         if not self.healthy:
@@ -201,7 +205,7 @@ class AsyncEngine:
         self._commands.put(_Add(handle.request_ids, prompts, params, max_tokens, reply,
                                 arrival_time or time.monotonic(), hand_off))
         try:
-            handle.prompt_token_ids = await reply
+            handle.prompt_token_ids, handle.hand_off = await reply
         except BaseException:  # refused, or the client left while waiting: nothing may stay queued
             handle.abort()
             raise
@@ -346,7 +350,7 @@ class AsyncEngine:
                     self.engine.abort(rid)
             return
         try:
-            prompt_ids = self._add(cmd)
+            added = self._add(cmd)
         except APIError as exc:
             self._post(self._resolve, cmd.reply, exc)
         except ValueError as exc:  # the engine refused the prompt
@@ -356,11 +360,12 @@ class AsyncEngine:
             self._post(self._resolve, cmd.reply,
                        APIError(500, f"internal engine error: {type(exc).__name__}: {exc}"))
         else:
-            self._post(self._resolve, cmd.reply, prompt_ids)
+            self._post(self._resolve, cmd.reply, added)
 
-    def _add(self, cmd: _Add) -> list[list[int]]:
+    def _add(self, cmd: _Add) -> tuple[list[list[int]], bool]:
         limit = self.engine.max_model_len
         prompt_ids = [list(p) for p in cmd.prompts]  # checked by the caller (check_prompts)
+        hand_off = bool(cmd.hand_off()) if callable(cmd.hand_off) else cmd.hand_off
         added: list[str] = []
         try:
             rids = iter(cmd.request_ids)
@@ -370,13 +375,13 @@ class AsyncEngine:
                     added.append(self.engine.add_request(ids,
                                                          dataclasses.replace(p, max_tokens=budget),
                                                          next(rids), cmd.arrival_time,
-                                                         cmd.hand_off))
+                                                         hand_off))
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)
             raise
         self._live.update(added)
-        return prompt_ids
+        return prompt_ids, hand_off
 
     def _fail_live(self, error: APIError) -> None:
         failed = list(self._live)

@@ -418,7 +418,6 @@ class PrefillService(_KVHolder):
         self.offload_below = (offload_below_blocks if offload_below_blocks is not None
                               else -(-bridge.engine.max_model_len // block))
         self.timeout_s = timeout_s
-        self._reserved = 0  # host blocks of the handoffs being prefilled (``prefill``)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
         self._offloaded = Counter("oasiskv_pd_blocks_offloaded",
@@ -454,27 +453,21 @@ class PrefillService(_KVHolder):
         try:
             if self.memory:
                 await self._fetch_prefix(ids)
-            # a handoff holds every block of its prompt from the end of its prefill on: room for
-            # them is reserved now, with that of the handoffs still on their way (else: a full
-            # export, bounded as ever)
+            # a handoff holds every block of its prompt from the end of its prefill on: one is
+            # made when the store has room for those and for the handoffs still prefilling, asked
+            # as the request is added (else: a full export, bounded as ever)
             need = -(-len(ids) // self.exchange.kv.layout.block_size)
-            hand_off = summaries_from is not None and await self.bridge.call(
-                lambda: self.exchange.has_room(need + self._reserved))
-            self._reserved += need if hand_off else 0
+            handle = await self.bridge.submit(
+                [ids], [SamplingParams(max_tokens=1, temperature=0.0)], 1,
+                hand_off=summaries_from is not None and (lambda: self.exchange.has_room(
+                    need + self.bridge.engine.pending_handoff_blocks())))
             try:
-                handle = await self.bridge.submit([ids], [SamplingParams(max_tokens=1,
-                                                                         temperature=0.0)], 1,
-                                                  hand_off=hand_off)
-                try:
-                    async for _ in handle.outputs():
-                        pass
-                finally:
-                    handle.abort()  # (a no-op once finished)
-                if hand_off:
-                    return await self._hand_off(handle.request_ids[0], len(ids),
-                                                summaries_from)
+                async for _ in handle.outputs():
+                    pass
             finally:
-                self._reserved -= need if hand_off else 0
+                handle.abort()  # (a no-op once finished)
+            if handle.hand_off:
+                return await self._hand_off(handle.request_ids[0], len(ids), summaries_from)
             blocks, full = await self.bridge.call(
                 lambda: (self.exchange.export(ids),
                          self.exchange.allocator.num_free_blocks < self.offload_below),

@@ -130,3 +130,27 @@ def test_prefix_cache_evictions_are_counted(tiny):
             llm.generate([ids], params)
         evictions = llm.engine.stats.kv_totals["prefix_evictions"]
         assert (evictions > 0) == evicting, (gib, evictions)
+
+
+def test_a_handoff_counts_its_blocks_once_pending_then_held(tiny):
+    """A ``hand_off`` request's blocks are pending until its prefill ends, held from then on,
+    never both: the room a prefill worker sees for more handoffs (pending + held) stays the same
+    through the step that ends the prefill, and goes when the holder lets go."""
+    engine = LLM(str(tiny), **TIER).engine
+    ids = prompts(2, lo=70, hi=110, seed=13)
+    B = engine.allocator.block_size
+    need = [-(-len(p) // B) for p in ids]
+    rids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0), hand_off=True)
+            for p, n in zip(ids, (1, 3))]  # (one decodes on after its prefill, still held)
+    engine.add_request(ids[0], SamplingParams(max_tokens=3, temperature=0))  # (not counted)
+    held = lambda: sum(engine.allocator.held.values())  # noqa: E731
+    assert (engine.pending_handoff_blocks(), held()) == (sum(need), 0)
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.pending_handoff_blocks() + held() == sum(need)
+    assert engine.pending_handoff_blocks() == 0
+    for rid, n in zip(rids, need):
+        handoff = engine.take_handoff(rid)
+        assert len(handoff.blocks) == n
+        engine.allocator.release(handoff.blocks)
+    assert held() == 0
