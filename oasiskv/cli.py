@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "'prefill' prefills prompts for decode workers and serves their KV; "
                           "'decode' is the OpenAI front end that sends each prompt to a prefill "
                           "worker and reads its KV; 'memory' holds prompt KV that prefill workers "
-                          "offload and serves it to decode workers; 'both' does all on one node "
+                          "offload and serves it to decode workers (no model: it reads only "
+                          "MODEL's config.json); 'both' does all on one node "
                           "(default: both)")
     srv.add_argument("--prefill-url", action="append", default=[], metavar="URL",
                      help="a prefill worker's base URL (--role decode; repeat for more: the one "

@@ -139,7 +139,7 @@ def _flags(parser) -> None:
                              "decode worker, asks for both shares)")
     parser.add_argument("--memory-flags", default="",
                         help="more serve flags for the memory worker only (setup pd-memory; it "
-                             "runs on the prefill worker's GPU, started before it)")
+                             "runs no model and takes no GPU memory)")
     parser.add_argument("--decode-flags", default="",
                         help="more serve flags for the decode worker only (e.g. a smaller "
                              "--host-kv-gib for the pd-cache setups)")

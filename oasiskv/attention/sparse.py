@@ -32,7 +32,6 @@ from oasiskv.config import EngineConfig
 from oasiskv.engine.forward_batch import ForwardBatch, to_device_many
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
-from oasiskv.kernels.fp8 import storage_dtype
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.guardrail import Guardrail
 from oasiskv.kv.layout import TieredLayout
@@ -61,10 +60,8 @@ class SparseBackend(AttentionBackend):
         if ranks > 1:  # each tensor-parallel rank stores its kv heads: its share of the host store
             tier = replace(tier, host_kv_gib=tier.host_kv_gib / ranks)
         self.config, self.device, self.dtype = config, device, dtype
-        layout = TieredLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                              tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype),
-                              storage_dtype("fp8" if config.fp8_summaries else "auto", dtype))
-        self.kv = TieredKV(layout, tier, device, probes or TierProbes())
+        self.kv = TieredKV(TieredLayout.of(config, cfg, dtype), tier, device,
+                           probes or TierProbes())
         self.guardrail = Guardrail(self.kv, tier.guardrail_rate, cfg.num_heads)
         # observers read each step's scores on the host: such an engine never captures graphs
         self.supports_cuda_graphs = not self.kv.probes.observers

@@ -31,6 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from oasiskv.engine.block_manager import BlockManager
+from oasiskv.kv.host_store import HostStore
+from oasiskv.kv.layout import TieredLayout
+
 #: the most of a host store's blocks that exchanges may hold at once
 MAX_HELD_SHARE = 0.5
 
@@ -48,6 +52,13 @@ class Import:
     missing: list[int]
 
 
+@dataclass
+class _StoreOnly:
+    """The KV side of an exchange with no engine: a host store and its layout."""
+    layout: TieredLayout
+    host: HostStore
+
+
 class KVExchange:
     """Exports and imports complete prompt blocks of a tiered engine's host store (``backend``: its
     ``SparseBackend``, with a prefix-sharing allocator)."""
@@ -61,7 +72,21 @@ class KVExchange:
             raise ValueError("moving prompt KV between engines needs prefix sharing, which a "
                              "drafter reading every prompt token's features (EAGLE-3) turns off")
         self.allocator, self.kv = allocator, backend.kv
+        self.summarises = True  # (``finish_import``)
         self.max_held = int(MAX_HELD_SHARE * allocator.num_total_blocks)
+
+    @classmethod
+    def store_only(cls, layout: TieredLayout, host: HostStore) -> "KVExchange":
+        """An exchange over ``host`` with no engine behind it (a memory worker's): it holds,
+        names and serves blocks and computes nothing, so it keeps no summaries (whoever imports
+        its blocks writes their own), and no requests of its own to leave blocks for: every block
+        may be held."""
+        self = cls.__new__(cls)
+        self.allocator = BlockManager(host.num_blocks, layout.block_size)
+        self.kv = _StoreOnly(layout, host)
+        self.summarises = False
+        self.max_held = host.num_blocks
+        return self
 
     def has_room(self, n: int) -> bool:
         """Whether ``n`` more blocks may be held for exchanges now."""
@@ -124,8 +149,10 @@ class KVExchange:
         blocks unnamed."""
         try:
             if imp.missing:
-                fresh = [imp.blocks[i] for i in imp.missing]
-                self.kv.summarise(torch.tensor(fresh, dtype=torch.long, device=self.kv.device))
+                if self.summarises:
+                    fresh = torch.tensor([imp.blocks[i] for i in imp.missing], dtype=torch.long,
+                                         device=self.kv.device)
+                    self.kv.summarise(fresh)
                 for i in imp.missing:
                     self.allocator.register(imp.blocks[i], imp.hashes[i])
         except BaseException:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.kernels.fp8 import row_bytes
+from oasiskv.kernels.fp8 import row_bytes, storage_dtype
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,15 @@ class TieredLayout:
     dtype: torch.dtype        # the model's: summaries, attention inputs
     kv_dtype: torch.dtype | None = None  # K/V storage (host store, working sets); None: dtype
     summary_dtype: torch.dtype | None = None  # summaries' storage; None: dtype
+
+    @classmethod
+    def of(cls, config, cfg, dtype: torch.dtype) -> "TieredLayout":
+        """The layout an engine of ``config`` (``EngineConfig``) stores for a model of ``cfg``
+        (``ModelConfig``) computing in ``dtype``: every process of a disaggregated setup with the
+        same flags has the same one (a memory worker builds it without the model)."""
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                   config.tier.topk_blocks, dtype, storage_dtype(config.kv_cache_dtype, dtype),
+                   storage_dtype("fp8" if config.fp8_summaries else "auto", dtype))
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
+from oasiskv.models.loader import resolve_model_path
 from oasiskv.server.async_engine import AsyncEngine
 from oasiskv.server.completions import OpenAIServing
 from oasiskv.server.errors import APIError
@@ -179,53 +180,20 @@ class Disaggregation:
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
 
+    def check(self, config: EngineConfig) -> None:
+        """Raise ValueError for engine flags this role cannot use."""
+        if config.tier.f_host < 1 and self.role != "decode":
+            raise ValueError("--f-host < 1 is for --role decode: the rest of each prompt's KV "
+                             "stays on the prefill or memory worker it came from")
 
-def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               pd: Disaggregation = Disaggregation()) -> FastAPI:
-    """The app around ``engine``; its lifespan starts and stops the engine thread. From here on only
-    that thread may use ``engine``. ``app.state.engine`` is the ``AsyncEngine``,
-    ``app.state.model_name`` the name clients must use. ``pd``: the worker's role."""
-    model_name = served_model_name or engine.model_path.name
-    vocab_size = engine.model_config.vocab_size
-    metrics = Metrics(lambda: bridge.stats)
-    bridge = AsyncEngine(engine, max_waiting, on_finished=metrics.observe,
-                         on_unfinished=metrics.observe_unfinished, on_step=metrics.observe_step)
-    serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer,
-                            model_name, vocab_size)
-    card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
-    if engine.config.tier.f_host < 1 and pd.role != "decode":
-        raise ValueError("--f-host < 1 is for --role decode: the rest of each prompt's KV stays "
-                         "on the prefill or memory worker it came from")
-    if pd.role != "both":  # (transport packages only where they are used)
-        from oasiskv.server import disagg
-    if pd.role == "decode":
-        service = disagg.DecodeRouter(bridge, list(pd.prefill_urls), metrics.registry, api_key,
-                                      pd.remote_timeout_s, pd.prefill_timeout_s,
-                                      pd.local_prefill_blocks, pd.transfer)
-        serving.admit = service.admit
-    elif pd.role == "prefill":
-        service = disagg.PrefillService(bridge, metrics.registry, pd.memory_urls,
-                                        pd.offload_below_blocks, api_key, pd.remote_timeout_s)
-    elif pd.role == "memory":
-        service = disagg.MemoryService(bridge, metrics.registry, pd.remote_timeout_s)
-    else:
-        service = None
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        bridge.start()
-        if service is not None:
-            service.start()
-        yield
-        if service is not None:
-            await service.close()
-        serving.close()
-        await bridge.close()
-
+def _app(lifespan, healthy, render_metrics, api_key: str | None,
+         max_request_bytes: int) -> FastAPI:
+    """The parts every role's app shares: the body limit and bearer auth, OpenAI-shaped errors
+    (a 404 names the route it did not find), ``/health`` (503 once ``healthy()`` is false) and
+    ``/metrics`` (``render_metrics()``)."""
     app = FastAPI(title="oasiskv", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
-    app.state.engine, app.state.model_name = bridge, model_name
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
     if api_key:  # (added last: runs first)
         app.add_middleware(_BearerAuth, api_key=api_key)
@@ -251,13 +219,77 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
 
     @app.get("/health")
     async def health():
-        if not bridge.healthy:
-            return _error_response(APIError(503, "the engine is not running"))
+        if not healthy():
+            return _error_response(APIError(503, "not serving: shutting down, or the engine "
+                                                 "stopped"))
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _holder_routes(app: FastAPI, service) -> None:
+    """The routes of a worker that serves prompt blocks under leases (prefill, memory)."""
+    @app.get("/v1/kv/descriptor")
+    async def kv_descriptor():
+        return service.descriptor()
+
+    @app.post("/v1/kv/release")
+    async def kv_release(body: KVReleaseRequest):
+        return await service.release(body.lease)
+
+    @app.post("/v1/kv/renew")
+    async def kv_renew(body: KVReleaseRequest):
+        return service.renew(body.lease)
+
+
+def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+               max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               pd: Disaggregation = Disaggregation()) -> FastAPI:
+    """The app around ``engine``; its lifespan starts and stops the engine thread. From here on only
+    that thread may use ``engine``. ``app.state.engine`` is the ``AsyncEngine``,
+    ``app.state.model_name`` the name clients must use. ``pd``: the worker's role (not
+    ``memory``: ``create_memory_app``, which needs no engine)."""
+    if pd.role == "memory":
+        raise ValueError("a memory worker runs no engine: create_memory_app")
+    model_name = served_model_name or engine.model_path.name
+    vocab_size = engine.model_config.vocab_size
+    metrics = Metrics(lambda: bridge.stats)
+    bridge = AsyncEngine(engine, max_waiting, on_finished=metrics.observe,
+                         on_unfinished=metrics.observe_unfinished, on_step=metrics.observe_step)
+    serving = OpenAIServing(bridge, TokenTable(engine.tokenizer, vocab_size), engine.tokenizer,
+                            model_name, vocab_size)
+    card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
+    pd.check(engine.config)
+    if pd.role != "both":  # (transport packages only where they are used)
+        from oasiskv.server import disagg
+    if pd.role == "decode":
+        service = disagg.DecodeRouter(bridge, list(pd.prefill_urls), metrics.registry, api_key,
+                                      pd.remote_timeout_s, pd.prefill_timeout_s,
+                                      pd.local_prefill_blocks, pd.transfer)
+        serving.admit = service.admit
+    elif pd.role == "prefill":
+        service = disagg.PrefillService(bridge, metrics.registry, pd.memory_urls,
+                                        pd.offload_below_blocks, api_key, pd.remote_timeout_s)
+    else:
+        service = None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        bridge.start()
+        if service is not None:
+            service.start()
+        yield
+        if service is not None:
+            await service.close()
+        serving.close()
+        await bridge.close()
+
+    app = _app(lifespan, lambda: bridge.healthy, metrics.render, api_key, max_request_bytes)
+    app.state.engine, app.state.model_name = bridge, model_name
 
     @app.get("/v1/models")
     async def models():
@@ -271,32 +303,48 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
-    if pd.role in ("prefill", "memory"):
-        @app.get("/v1/kv/descriptor")
-        async def kv_descriptor():
-            return service.descriptor()
-
-        @app.post("/v1/kv/release")
-        async def kv_release(body: KVReleaseRequest):
-            return await service.release(body.lease)
-
-        @app.post("/v1/kv/renew")
-        async def kv_renew(body: KVReleaseRequest):
-            return service.renew(body.lease)
-
     if pd.role == "prefill":
+        _holder_routes(app, service)
+
         @app.post("/v1/kv/prefill")
         async def kv_prefill(body: KVPromptRequest):
             return await service.prefill(body.prompt_token_ids, body.summaries_from)
 
-    if pd.role == "memory":
-        @app.post("/v1/kv/lookup")
-        async def kv_lookup(body: KVPromptRequest):
-            return await service.lookup(body.prompt_token_ids)
+    return app
 
-        @app.post("/v1/kv/offload")
-        async def kv_offload(body: KVOffloadRequest):
-            return await service.offload(body.descriptor, body.blocks, body.prompt_token_ids)
+
+def create_memory_app(config: EngineConfig, api_key: str | None = None, max_waiting: int = 1024,
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                      pd: Disaggregation = Disaggregation("memory")) -> FastAPI:
+    """A memory worker's app (``server/disagg.py``): a host store of ``--host-kv-gib`` in the
+    layout the other roles store with the same flags, read and served over NIXL, and no model:
+    no weights are read and no device memory taken; it serves no completions (404)."""
+    from oasiskv.server import disagg
+    pd.check(config)
+    registry = CollectorRegistry()
+    bridge = disagg.StoreBridge(max_waiting)
+    service = disagg.MemoryService(bridge, disagg.memory_store(config), registry,
+                                   pd.remote_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        yield
+        await service.close()
+
+    app = _app(lifespan, lambda: bridge.healthy,
+               lambda: generate_latest(registry), api_key, max_request_bytes)
+    app.state.engine = bridge
+    app.state.model_name = resolve_model_path(config.model).name
+    _holder_routes(app, service)
+
+    @app.post("/v1/kv/lookup")
+    async def kv_lookup(body: KVPromptRequest):
+        return await service.lookup(body.prompt_token_ids)
+
+    @app.post("/v1/kv/offload")
+    async def kv_offload(body: KVOffloadRequest):
+        return await service.offload(body.descriptor, body.blocks, body.prompt_token_ids)
 
     return app
 
@@ -335,12 +383,16 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     """Load the engine and serve until SIGINT/SIGTERM; returns the exit status (0 after a clean
     stop). ``api_key`` falls back to ``$OASISKV_API_KEY``; empty means no auth."""
     api_key = api_key or os.environ.get("OASISKV_API_KEY") or None
-    engine = LLMEngine(config)
-    try:
-        app = create_app(engine, served_model_name, api_key, max_waiting, max_request_bytes, pd)
-    except BaseException:
-        engine.close()
-        raise
+    if pd.role == "memory":
+        app = create_memory_app(config, api_key, max_waiting, max_request_bytes, pd)
+    else:
+        engine = LLMEngine(config)
+        try:
+            app = create_app(engine, served_model_name, api_key, max_waiting, max_request_bytes,
+                             pd)
+        except BaseException:
+            engine.close()
+            raise
     server = _Server(uvicorn.Config(app, host=host, port=port, log_config=None,
                                     timeout_graceful_shutdown=10),
                      on_exit=app.state.engine.begin_shutdown)

@@ -54,8 +54,10 @@ stay cached, so a prompt that shares a prefix with one offloaded before reads on
 blocks it has under a lease (``{"lease": null, "blocks": []}`` when none): before prefilling a
 prompt, a prefill worker with memory workers asks them, and reads the prefix from the first that
 holds more of it than its own prefix cache, so it prefills only the rest (a failure there costs
-only that prefill). (It runs the engine
-for its host store's bookkeeping and block summaries, and serves the OpenAI routes too.)
+only that prefill). It runs no model (``create_memory_app``): the model's ``config.json`` gives
+the layout, no weights are read, no device memory is taken, no summaries are kept (whoever imports
+its blocks writes their own) and no completions are served (404); every block of its store may be
+held under leases.
 
 A **decode worker** (``--prefill-url URL``, repeatable) is the OpenAI front end. For each prompt,
 after tokenizing and checking it and before the engine sees it, it counts the prompt's complete
@@ -104,7 +106,8 @@ them a handoff's HTTP answer carried), ``oasiskv_pd_blocks_imported`` /
 prefilled here); (prefill and memory worker) ``oasiskv_pd_leases`` and
 ``oasiskv_pd_blocks_exported``; (prefill worker) ``oasiskv_pd_blocks_offloaded{worker}`` and
 ``oasiskv_pd_prefix_blocks_fetched{worker}``; (memory worker) ``oasiskv_pd_blocks_stored`` /
-``oasiskv_pd_blocks_kept`` (read from an offloading worker, or already held); (decode worker with
+``oasiskv_pd_blocks_kept`` (read from an offloading worker, or already held) and
+``oasiskv_pd_store_blocks_total`` / ``_free`` / ``_cached``; (decode worker with
 ``--f-host`` < 1) ``oasiskv_pd_cache_hits`` / ``_misses`` / ``_evictions`` (blocks),
 ``oasiskv_pd_cache_deferred_reads`` and
 ``oasiskv_pd_cache_rows_in_use`` / ``_rows``, and per worker ``oasiskv_pd_cache_reads``,
@@ -126,9 +129,15 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from oasiskv.config import EngineConfig, ModelConfig
 from oasiskv.engine.handoff import Handoff
+from oasiskv.engine.model_runner import resolve_device, resolve_dtype
 from oasiskv.kv.exchange import Import, KVExchange, NoRoom
 from oasiskv.kv.host_cache import HostCache
+from oasiskv.kv.host_store import HostStore
+from oasiskv.kv.layout import TieredLayout
+from oasiskv.kv.tiered import DEFAULT_HOST_GIB, host_blocks_for
+from oasiskv.models.loader import resolve_model_path
 from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore, Transfer
 from oasiskv.kv.summaries import SummaryMirror
 from oasiskv.sampling_params import SamplingParams
@@ -201,7 +210,7 @@ def _nbytes(tensors) -> int:
 def _exchange(bridge: AsyncEngine) -> KVExchange:
     engine = bridge.engine
     if engine.config.tensor_parallel_size > 1:
-        raise ValueError("--role prefill / decode / memory run one rank "
+        raise ValueError("--role prefill / decode run one rank "
                          "(--tensor-parallel-size 1)")
     return KVExchange(engine.runner.backend)
 
@@ -319,10 +328,10 @@ class _KVHolder:
     ``release`` (or ``lease_s`` later); at most ``--max-waiting`` leases and prompts on their way
     to one at once (held blocks are host memory)."""
 
-    def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry, role: str,
-                 lease_s: float = 60.0, summaries: SummaryMirror | None = None):
-        self.bridge, self.lease_s = bridge, lease_s
-        self.exchange = _exchange(bridge)
+    def __init__(self, bridge: AsyncEngine | StoreBridge, exchange: KVExchange,
+                 registry: CollectorRegistry, role: str, lease_s: float = 60.0,
+                 summaries: SummaryMirror | None = None):
+        self.bridge, self.exchange, self.lease_s = bridge, exchange, lease_s
         self.store = RemoteStore(self.exchange.kv.host, _agent_name(role), summaries)
         self.leases: dict[str, tuple[list[int], float]] = {}  # id -> (held blocks, expiry)
         self._pending = 0  # prompts in flight, each to become a lease
@@ -372,15 +381,18 @@ class _KVHolder:
             await self.bridge.call(lambda: self.exchange.release(held[0]))
         return {"released": held is not None}
 
+    async def _sweep(self) -> None:
+        """Run every second with the expiry of leases (a role's own letting go)."""
+
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            try:  # (handoffs made here that no answer took: their holds go)
-                await self.bridge.call(self.bridge.engine.expire_handoffs)
+            try:
+                await self._sweep()
             except APIError:  # shutting down
                 return
             except Exception:  # noqa: BLE001 (the loop must go on)
-                logger.exception("letting go of unused handoffs failed")
+                logger.exception("a worker's periodic letting go failed")
             now = time.monotonic()
             for lease in [k for k, (_, expiry) in self.leases.items() if expiry < now]:
                 logger.warning("prompt KV lease %s expired unreleased", lease)
@@ -403,11 +415,11 @@ class PrefillService(_KVHolder):
         ``offload_below_blocks`` host blocks would stay free here (default: one prompt of the
         longest length), and to read a prompt's prefix from when they hold more of it than this
         worker's prefix cache."""
-        kv = _exchange(bridge).kv
+        exchange = _exchange(bridge)
         #: the summaries of the blocks handed off, for decode workers to read (2 rows per block
         #: against the host store's 2 * B)
-        self.summaries = SummaryMirror(kv.layout, kv.host.num_blocks)
-        super().__init__(bridge, registry, "prefill", lease_s, self.summaries)
+        self.summaries = SummaryMirror(exchange.kv.layout, exchange.kv.host.num_blocks)
+        super().__init__(bridge, exchange, registry, "prefill", lease_s, self.summaries)
         self.memory = [_Worker(url.rstrip("/")) for url in memory_urls]
         self.puller = None
         if self.memory:
@@ -442,6 +454,9 @@ class PrefillService(_KVHolder):
         if self.puller is not None:
             await self.puller.close()
         await super().close()
+
+    async def _sweep(self) -> None:  # (handoffs made here that no answer took: their holds go)
+        await self.bridge.call(self.bridge.engine.expire_handoffs)
 
     async def prefill(self, prompt_token_ids: list[int], summaries_from: int | None = None) -> dict:
         """Prefill a prompt and hold its blocks under a lease; with ``summaries_from`` hand it
@@ -596,15 +611,45 @@ class PrefillService(_KVHolder):
         return None
 
 
+class StoreBridge:
+    """A memory worker's stand-in for the engine thread: nothing but its services touches its
+    store's bookkeeping, all of them on the event loop, so ``call`` runs ``fn`` there at once
+    (no ``undo``: nothing can cancel it half way)."""
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting, self.healthy = max_waiting, True
+
+    async def call(self, fn, undo=None):
+        return fn()
+
+    def begin_shutdown(self) -> None:
+        self.healthy = False
+
+
+def memory_store(config: EngineConfig) -> KVExchange:
+    """A memory worker's host store and its bookkeeping, with no model or device: the layout
+    the other roles store with the same flags (``TieredLayout.of``; the model's ``config.json``
+    gives its shape, and ``--dtype`` auto resolves as an engine on this machine would), sized by
+    ``--host-kv-gib``."""
+    if config.kv_mode != "oasis":
+        raise ValueError("--role memory stores the tiered KV's host blocks: --kv-mode oasis")
+    cfg = ModelConfig.from_file(resolve_model_path(config.model) / "config.json")
+    dtype = resolve_dtype(config.dtype, cfg, resolve_device(config.device))
+    layout = TieredLayout.of(config, cfg, dtype)
+    host = HostStore(layout, host_blocks_for(config.tier.host_kv_gib or DEFAULT_HOST_GIB,
+                                             layout), pin=False)
+    return KVExchange.store_only(layout, host)
+
+
 class MemoryService(_KVHolder):
     """The memory worker's side: takes the blocks of prompts that prefill workers offload (reads
     them from the prefill worker's store over NIXL into its own) and serves them to decode
     workers under leases, as a prefill worker does. Released blocks stay cached by their hashes
     (LRU), so a prompt that shares a prefix with one offloaded before reads only the rest."""
 
-    def __init__(self, bridge: AsyncEngine, registry: CollectorRegistry, timeout_s: float = 10.0,
-                 lease_s: float = 60.0):
-        super().__init__(bridge, registry, "memory", lease_s)
+    def __init__(self, bridge: StoreBridge, exchange: KVExchange, registry: CollectorRegistry,
+                 timeout_s: float = 10.0, lease_s: float = 60.0):
+        super().__init__(bridge, exchange, registry, "memory", lease_s)
         reader = RemoteReader(self.exchange.kv.host, _agent_name("memory-reader"), timeout_s)
         self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
         self._stored = Counter("oasiskv_pd_blocks_stored",
@@ -613,6 +658,14 @@ class MemoryService(_KVHolder):
         self._kept = Counter("oasiskv_pd_blocks_kept",
                              "Offloaded host blocks this worker already held (same prefix)",
                              registry=registry)
+        blocks = self.exchange.allocator
+        Gauge("oasiskv_pd_store_blocks_total", "Host blocks of this worker's store",
+              registry=registry).set_function(lambda: blocks.num_total_blocks)
+        Gauge("oasiskv_pd_store_blocks_free", "Host blocks no lease or read holds (those "
+              "caching a prefix too: handed out again oldest first)",
+              registry=registry).set_function(lambda: blocks.num_free_blocks)
+        Gauge("oasiskv_pd_store_blocks_cached", "Host blocks named by a prompt prefix hash, "
+              "held or not", registry=registry).set_function(lambda: len(blocks.hash_to_block))
 
     async def close(self) -> None:
         await self.puller.close()

@@ -4,6 +4,7 @@ rest of the prompt and decodes the tokens one engine decodes alone, with K cover
 prefix it already holds is not read again; holds never leak; a full host store refuses with nothing
 held."""
 import pytest
+import torch
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.bench.host_cache import copy_blocks, prefill_and_export
@@ -154,3 +155,46 @@ def test_a_handoff_counts_its_blocks_once_pending_then_held(tiny):
         assert len(handoff.blocks) == n
         engine.allocator.release(handoff.blocks)
     assert held() == 0
+
+
+def test_an_engineless_store_relays_a_prefix_with_the_engines_layout(tiny):
+    """A memory worker's exchange (``KVExchange.store_only``: a bare host store in the layout
+    ``TieredLayout.of`` gives for the model's config and the flags, no engine, no summaries)
+    takes a prefilled prompt's blocks and serves them on: an engine importing them from there
+    prefills only the rest and decodes the tokens of one engine alone. Its holds may take every
+    block; a second import of the same prefix reads nothing."""
+    from oasiskv.config import EngineConfig, ModelConfig
+    from oasiskv.kv.host_store import HostStore
+    from oasiskv.kv.layout import TieredLayout
+    ids = prompts(1, lo=130, hi=131, seed=14)[0]
+    alone = LLM(str(tiny), **TIER)
+    want = alone.generate([ids], GREEDY)[0].token_ids
+    prefill, decode = LLM(str(tiny), **TIER), LLM(str(tiny), **TIER)
+    config = EngineConfig.from_flat(model=str(tiny), **TIER)
+    layout = TieredLayout.of(config, ModelConfig.from_file(tiny / "config.json"), torch.float32)
+    assert layout == decode.engine.runner.backend.kv.layout
+    store = KVExchange.store_only(layout, HostStore(layout, 40, pin=False))
+    assert store.max_held == 40 and not store.summarises
+    src, dst = exchange(prefill), exchange(decode)
+    offered = prefill_and_export(prefill, ids)
+    held = []
+    for missing in (len(offered), 0):  # (the second time: all cached there, nothing read)
+        relay = store.begin_import(store.prompt_hashes(ids)[:len(offered)])
+        assert len(relay.missing) == missing
+        copy_blocks(src, store, [offered[i] for i in relay.missing],
+                    [relay.blocks[i] for i in relay.missing])
+        held.append(store.finish_import(relay, keep=True))
+    kept = held[0]
+    assert held[1] == kept
+    store.release(held[1])
+    src.release(offered)
+    imp = dst.begin_import(dst.prompt_hashes(ids)[:len(kept)])
+    copy_blocks(store, dst, kept, imp.blocks)
+    dst.finish_import(imp)
+    store.release(kept)
+    assert not store.allocator.held
+    assert store.allocator.num_free_blocks == 40
+    before = decode.engine.stats.prompt_tokens_total
+    assert decode.generate([ids], GREEDY)[0].token_ids == want
+    B = layout.block_size
+    assert decode.engine.stats.prompt_tokens_total - before == len(ids) - len(kept) * B

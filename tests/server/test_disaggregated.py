@@ -14,6 +14,7 @@ whose evicted blocks it holds, which then ends with the tokens of a decode worke
 block, while a stream with nothing there goes on."""
 import json
 import random
+import shutil
 import signal
 import socket
 import threading
@@ -140,14 +141,15 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
 
 @pytest.fixture
 def launch(tmp_path, fixtures_path):
-    """``launch(name, *flags, env=None)``: a server of the fixture target with FLAGS and
-    ``flags`` (and the variables ``env`` in its environment), logging to ``tmp_path / name.log``;
-    every one is stopped at the end."""
+    """``launch(name, *flags, env=None, model=None)``: a server of ``model`` (default: the
+    fixture target) with FLAGS and ``flags`` (and the variables ``env`` in its environment),
+    logging to ``tmp_path / name.log``; every one is stopped at the end."""
     started = []
 
-    def start(name: str, *flags: str, env: dict | None = None) -> ServerProcess:
-        started.append(ServerProcess(tmp_path / f"{name}.log", str(fixtures_path / "target"),
-                                     *FLAGS, *flags, env=env))
+    def start(name: str, *flags: str, env: dict | None = None, model=None) -> ServerProcess:
+        started.append(ServerProcess(tmp_path / f"{name}.log",
+                                     str(model or fixtures_path / "target"), *FLAGS, *flags,
+                                     env=env))
         return started[-1]
 
     yield start
@@ -171,13 +173,20 @@ def test_a_prefill_worker_offloads_to_a_memory_worker(launch, tmp_path, fixtures
     lease released. A prompt sharing a prefix with one offloaded before: the memory worker reads
     only the rest. Another prefill worker reads such a prefix from the memory worker instead of
     prefilling it. With the memory worker gone, the prefill worker keeps the blocks and serves
-    them itself."""
+    them itself. The memory worker runs no model: given only the model's config.json, it stores
+    the same layout and serves no completions."""
     rng = random.Random(5)
     base = [rng.randrange(5, 4000) for _ in range(150)]
     prompts = [base, base + [rng.randrange(5, 4000) for _ in range(70)]]  # 9 and 13 blocks
     single = launch("single")
     want = [answer(complete(single, ids)) for ids in prompts]
-    memory = launch("memory", "--role", "memory")
+    shape = tmp_path / "shape"  # a memory worker reads the model's shape, never its weights
+    shape.mkdir()
+    shutil.copy(fixtures_path / "target" / "config.json", shape)
+    memory = launch("memory", "--role", "memory", model=shape)
+    assert "oasiskv_num_requests_running" not in memory.metrics()  # (no engine)
+    refused = httpx.post(memory.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1})
+    assert refused.status_code == 404 and "no route" in refused.json()["error"]["message"]
     prefill = launch("prefill", "--role", "prefill", "--memory-url", memory.url,
                      "--offload-below-blocks", "1000000")
     decode = launch("decode", "--role", "decode", "--prefill-url", prefill.url)
@@ -189,6 +198,10 @@ def test_a_prefill_worker_offloads_to_a_memory_worker(launch, tmp_path, fixtures
     assert p["oasiskv_pd_blocks_exported_total"] == 0  # no lease of its own
     assert m["oasiskv_pd_blocks_stored_total"] == 13  # the second prompt's first 9 were kept
     assert m["oasiskv_pd_blocks_kept_total"] == 9
+    # its store: every block free again, the 13 named ones (9 shared) still cached (float32)
+    total = int(0.02 * 2**30) // block_bytes(fixtures_path)
+    assert (m["oasiskv_pd_store_blocks_total"], m["oasiskv_pd_store_blocks_free"],
+            m["oasiskv_pd_store_blocks_cached"]) == (total, total, 13)
     # (and 9 offered to the prefill worker's lookup for the second prompt: it held them already)
     assert m["oasiskv_pd_blocks_exported_total"] == 9 + 13 + 9
     assert d["oasiskv_pd_blocks_imported_total"] == 13  # (9 of the second held already)
