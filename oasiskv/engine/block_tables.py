@@ -5,6 +5,9 @@ A sequence's ``block_table`` only grows by appending, or is replaced by a new li
 loses its blocks (preemption, finish). Rebuilding ``[batch, width]`` from Python lists every step
 costs O(total blocks) of list-to-array conversion (2,048 entries per 32K-token sequence); here each
 sequence keeps a numpy row extended by its new entries only, and a step copies rows array to array.
+An output that keeps its values between steps (a CUDA graph's table mirror: ``fill`` with
+``written``) gets only the entries its rows lack: a row that holds the same sequence's list as at
+the last step gets the blocks appended since, most steps none.
 """
 from __future__ import annotations
 
@@ -23,15 +26,26 @@ class BlockTableRows:
         self.fill(seqs, tables)
         return tables
 
-    def fill(self, seqs, out: np.ndarray) -> None:
+    def fill(self, seqs, out: np.ndarray, written: list | None = None) -> None:
         """Write each sequence's block table into the first entries of its row of ``out``
-        (int32 ``[>= len(seqs), >= widest table]``); the entries past them keep their values."""
+        (int32 ``[>= len(seqs), >= widest table]``); the entries past them keep their values.
+        ``written``: what rows of an ``out`` that keeps its values hold, ``(list, entries)`` per
+        row (updated here; start from ``[(None, 0)] * len(out)``, and again whenever something
+        else writes ``out``): a row holding the same list gets only its new entries."""
         if len(self._rows) > 2 * self.max_live:  # forget sequences that are gone
             live = {s.seq_id for s in seqs}
             self._rows = {k: v for k, v in self._rows.items() if k in live}
-        for dst, seq in zip(out, seqs):
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            if written is not None:
+                known, n = written[i]
+                written[i] = (table, len(table))
+                if known is table and n <= len(table):  # (lists only grow, by appending)
+                    if n < len(table):
+                        out[i, n:len(table)] = table[n:]
+                    continue
             row = self._row(seq)
-            dst[:len(row)] = row
+            out[i, :len(row)] = row
 
     def _row(self, seq) -> np.ndarray:
         table = seq.block_table

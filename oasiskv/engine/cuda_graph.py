@@ -63,6 +63,7 @@ class CudaGraphRunner:
         self._tables_offset = offsets[-1]
         self.static = ForwardBatch(is_prefill=False, **views)
         self.host = host  # numpy views of the mirror, by field
+        self._written = [(None, 0)] * max_bs  # what the mirror's table rows hold (``fill``)
         self.host["slot_mapping"][:] = -1
         self._device_bytes.copy_(self._host_bytes)
         self.metas = backend.init_graphs(self.buckets)
@@ -127,7 +128,7 @@ class CudaGraphRunner:
             h["slot_mapping"][lo + bs:lo + padded] = -1
         h["context_lens"][:bs] = rows.context_lens
         h["context_lens"][bs:padded] = 0
-        tables.fill(seqs, h["block_tables"])
+        tables.fill(seqs, h["block_tables"], self._written)
         end = self._tables_offset + h["block_tables"][:bs].nbytes
         self._device_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
         self._uploaded.record()

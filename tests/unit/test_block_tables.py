@@ -47,3 +47,34 @@ def test_fill_writes_each_row_prefix_and_leaves_the_rest():
     a.block_table.append(10)
     rows.fill([b, a], out)  # rows follow the sequences' order
     np.testing.assert_array_equal(out, [[4, 8, 9, -5, -5], [7, 8, 9, 10, -5], [-5] * 5])
+
+
+def test_a_kept_output_gets_only_what_its_rows_lack():
+    """``fill`` with ``written`` into an output that keeps its values (a graph's mirror) equals a
+    fresh ``build`` after every step: sequences grow, swap rows, come and go, are preempted (a
+    new list) and re-admitted; a row holding the same list gets only its new entries."""
+    import random
+    rng = random.Random(3)
+    rows, width = BlockTableRows(max_live=6), 64
+    out = np.full((6, width), -7, dtype=np.int32)
+    written = [(None, 0)] * 6
+    seqs = [SimpleNamespace(seq_id=i, block_table=[rng.randrange(99)]) for i in range(6)]
+    for step in range(300):
+        for seq in seqs:
+            if len(seq.block_table) < width and rng.random() < 0.3:
+                seq.block_table.append(rng.randrange(1000))
+        if rng.random() < 0.1:  # preempted, re-admitted later with a new, shorter list
+            rng.choice(seqs).block_table = [rng.randrange(1000) for _ in range(rng.randrange(4))]
+        if rng.random() < 0.2:
+            rng.shuffle(seqs)
+        live = seqs[:rng.randrange(1, 7)]
+        before = out.copy()
+        rows.fill(live, out, written)
+        for i, seq in enumerate(live):
+            np.testing.assert_array_equal(out[i, :len(seq.block_table)], seq.block_table)
+            assert (out[i, len(seq.block_table):] == before[i, len(seq.block_table):]).all()
+        assert (out[len(live):] == before[len(live):]).all()
+    # nothing new: nothing written (a row cleared by hand stays so)
+    out[0, :len(live[0].block_table)] = -1
+    rows.fill(live, out, written)
+    assert (out[0, :len(live[0].block_table)] == -1).all()
