@@ -37,15 +37,15 @@ class BlockTableRows:
             self._rows = {k: v for k, v in self._rows.items() if k in live}
         for i, seq in enumerate(seqs):
             table = seq.block_table
-            if written is not None:
-                known, n = written[i]
+            known, n = written[i] if written is not None else (None, 0)
+            if known is table and n <= len(table):  # (lists only grow, by appending)
+                if n < len(table):
+                    out[i, n:len(table)] = table[n:]
+            else:
+                row = self._row(seq)
+                out[i, :len(row)] = row
+            if written is not None:  # (once the row holds it)
                 written[i] = (table, len(table))
-                if known is table and n <= len(table):  # (lists only grow, by appending)
-                    if n < len(table):
-                        out[i, n:len(table)] = table[n:]
-                    continue
-            row = self._row(seq)
-            out[i, :len(row)] = row
 
     def _row(self, seq) -> np.ndarray:
         table = seq.block_table

@@ -174,8 +174,7 @@ class LLMEngine:
         here)."""
         size = self.allocator.block_size
         return sum(-(-len(r.seq.prompt_token_ids) // size) for r in self.requests.values()
-                   if r.seq.hand_off and not r.seq.output_token_ids
-                   and not r.seq.is_finished)
+                   if r.seq.hand_off and not r.seq.output_token_ids)
 
     def take_handoff(self, request_id: str) -> Handoff | None:
         """The ``Handoff`` of a ``hand_off`` request whose prefill has ended (its blocks held: the

@@ -24,7 +24,7 @@ from oasiskv.spec.base import Drafter
 #: of a 32K-token sequence share a key with odds of about 1e-10, and a collision only costs a guess
 KEY_BASE = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
-#: tokens indexed in the dict before the arrays are rebuilt over the whole sequence
+#: tokens indexed in the dict before they are merged into the arrays
 REBUILD_TOKENS = 4096
 #: at least this many filter bits per key of the arrays: a key not there passes with odds < 1/16
 FILTER_BITS_PER_KEY = 16
