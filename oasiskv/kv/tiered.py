@@ -97,6 +97,11 @@ def host_blocks_for(gib: float, layout: TieredLayout) -> int:
     return int(gib * 2**30 // layout.host_block_bytes)
 
 
+def configured_host_blocks(tier: TierConfig, layout: TieredLayout) -> int:
+    """Host blocks the store of ``tier`` holds (``host_kv_gib``, default ``DEFAULT_HOST_GIB``)."""
+    return host_blocks_for(tier.host_kv_gib or DEFAULT_HOST_GIB, layout)
+
+
 class TieredKV:
     def __init__(self, layout: TieredLayout, config: TierConfig, device: torch.device,
                  probes: TierProbes):
@@ -141,7 +146,7 @@ class TieredKV:
         """The host store ``host_kv_gib`` sizes: a ``HostCache`` of ``1 / f_host`` times as many
         block ids with ``f_host < 1``, else the probes' factory when given."""
         lay = self.layout
-        blocks = host_blocks_for(self.config.host_kv_gib or DEFAULT_HOST_GIB, lay)
+        blocks = configured_host_blocks(self.config, lay)
         pin = self.device.type == "cuda"
         if self.config.f_host < 1.0:
             return HostCache(lay, int(blocks / self.config.f_host), pin, blocks, self.device,

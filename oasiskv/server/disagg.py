@@ -136,10 +136,10 @@ from oasiskv.kv.exchange import Import, KVExchange, NoRoom
 from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
-from oasiskv.kv.tiered import DEFAULT_HOST_GIB, host_blocks_for
-from oasiskv.models.loader import resolve_model_path
 from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore, Transfer
 from oasiskv.kv.summaries import SummaryMirror
+from oasiskv.kv.tiered import configured_host_blocks
+from oasiskv.models.loader import resolve_model_path
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.server.async_engine import AsyncEngine
 from oasiskv.server.errors import APIError
@@ -636,8 +636,7 @@ def memory_store(config: EngineConfig) -> KVExchange:
     cfg = ModelConfig.from_file(resolve_model_path(config.model) / "config.json")
     dtype = resolve_dtype(config.dtype, cfg, resolve_device(config.device))
     layout = TieredLayout.of(config, cfg, dtype)
-    host = HostStore(layout, host_blocks_for(config.tier.host_kv_gib or DEFAULT_HOST_GIB,
-                                             layout), pin=False)
+    host = HostStore(layout, configured_host_blocks(config.tier, layout), pin=False)
     return KVExchange.store_only(layout, host)
 
 
