@@ -171,14 +171,29 @@ HOST_STAGES = [("runner", "held_back"), ("scheduler", "schedule"), ("runner", "_
                ("", "_output"), ("", "_record_step")]
 
 
+def _median(ranked: list[float]) -> float:
+    return ranked[len(ranked) // 2] if ranked else float("nan")
+
+
 def host_stages(engine: LLMEngine, steps: int) -> None:
     """Wall time per step of each host stage (``HOST_STAGES``; nested stages count in their
     callers too) and the gap the GPU waits through with prefetch off: from the step's tokens
     reaching the host (the end of ``_sample``, which waits for them) to the next replay's launch
-    (the start of ``graphs.run``; its copies into the static buffers count in the gap)."""
+    (the start of ``graphs.run``; its copies into the static buffers count in the gap).
+
+    Also the GPU's own idle time there, without a profiler: a CUDA event recorded on the current
+    stream as ``_sample`` is entered completes when the replay's work is done, one recorded as
+    ``graphs.run`` starts completes as the GPU reaches it, at once if the stream is empty; the
+    time between them is the GPU idle, an upper bound: the sampling kernels and the tokens' copy
+    in between count as idle."""
     totals: dict[str, float] = defaultdict(float)
-    marks = {"tokens": None, "gaps": []}
+    marks = {"tokens": None, "gaps": [], "events": [], "last": None}
     restore = []
+
+    def event() -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
     def timed(owner, name):
         original = getattr(owner, name)
@@ -187,6 +202,9 @@ def host_stages(engine: LLMEngine, steps: int) -> None:
             t0 = time.perf_counter()
             if name == "run" and marks["tokens"] is not None:
                 marks["gaps"].append(t0 - marks["tokens"])
+                marks["events"].append((marks["last"], event()))
+            if name == "_sample":
+                marks["last"] = event()
             try:
                 return original(*args, **kwargs)
             finally:
@@ -212,9 +230,11 @@ def host_stages(engine: LLMEngine, steps: int) -> None:
     for owner, name in restore:
         delattr(owner, name)  # (the instance attribute shadowed the class's method)
     gaps = sorted(marks["gaps"])
+    idle = sorted(end.elapsed_time(start) for end, start in marks["events"])
     print(f"   host stages, wall ms/step over {steps} steps (step {wall:.2f}); tokens read -> "
-          f"next replay launched: median {gaps[len(gaps) // 2] * 1e3 if gaps else float('nan'):.2f}"
-          f" ms")
+          f"next replay launched: median {_median(gaps) * 1e3:.2f} ms; GPU idle between a step's "
+          f"last work and the next replay (CUDA events): median {_median(idle):.2f}, max "
+          f"{idle[-1] if idle else float('nan'):.2f} ms")
     for key, total in totals.items():
         print(f"      {total / steps * 1e3:7.3f} ms  {key}")
 
