@@ -25,6 +25,7 @@ _KERNELS = {
     "promote_local": ("promote_local", "promote_local", "promote_local_ref"),
     "wait_ready": ("wait_ready", "wait_ready", "wait_ready_ref"),
     "clock_add": ("device_clock", "clock_add", "clock_add_ref"),
+    "publish": ("publish", "publish", "publish_ref"),
 }
 
 

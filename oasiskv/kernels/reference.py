@@ -1,7 +1,7 @@
 """Pure-torch references for the Triton kernels in this package (``store_kv``, ``paged_decode``,
 ``fused_ops``, ``fused_moe``, and the sparse path: ``sparse_decode``, ``block_scores``,
 ``uva_gather``, ``summaries``, ``select_blocks``, ``promote_local``, ``wait_ready``,
-``device_clock``).
+``device_clock``, ``publish``).
 
 Same signatures and semantics as the kernels; math in fp32. The engine uses them on CPU, so they are
 vectorized over the batch (they do sync the host, e.g. on ``context_lens.max()``, so they are not
@@ -248,6 +248,14 @@ def wait_ready_ref(done: torch.Tensor, target: torch.Tensor, timed_out: torch.Te
     so it either holds already or the wait times out (``timed_out[0] = 1``)."""
     if done.item() < target.item():
         timed_out.fill_(1)
+
+
+def publish_ref(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor) -> None:
+    """As ``publish``: ``dst[:n] = src``, then ``flag[0] = 1`` (on CPU tensors, in issue order)."""
+    assert src.dtype == dst.dtype == torch.int64 and src.dim() == dst.dim() == 1
+    assert dst.numel() >= src.numel() and flag.dtype == torch.int32 and flag.numel() == 1
+    dst[:src.numel()] = src
+    flag.fill_(1)
 
 
 def clock_add_ref(acc: torch.Tensor, sign: int) -> None:
