@@ -101,6 +101,10 @@ class AttentionBackend(ABC):
         """Store this step's k/v ``[T, Hk, D]`` and return attention of q ``[T, Hq, D]`` ->
         ``[T, Hq, D]``."""
 
+    def during_step(self) -> None:
+        """The step's forward is launched on the device and the host is about to wait for its
+        outputs: host work that overlaps the device's (default: none)."""
+
     def finish(self, batch: ScheduledBatch) -> StepStats:
         """The step ran and its sampled tokens are appended: run deferred work; the step's stats."""
         return StepStats()

@@ -267,6 +267,9 @@ class SparseBackend(AttentionBackend):
         return ({seq_of[s] for s in waiting if s in seq_of},
                 {seq_of[s]: why for s, why in failed.items() if s in seq_of})
 
+    def during_step(self) -> None:
+        self.retrieval.during_step()
+
     def finish(self, batch: ScheduledBatch) -> StepStats:
         self.retrieval.finish()
         failed, lost = {}, self.kv.host.take_failed()

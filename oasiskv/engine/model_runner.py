@@ -167,6 +167,8 @@ class ModelRunner:
                     hidden = self.backend.admit(batch)
             else:
                 hidden = self.forward(batch)
+                with self._device_scope():
+                    self.backend.during_step()
             result = self._sample(batch, hidden, forced)
             if batch.is_prefill and not batch.handoff:
                 self._hand_off(batch, hidden, result)

@@ -15,8 +15,10 @@ every id they are given resident at the layer the caller reads (a new block gets
 one's missing (block, layer) units are read from its remote tier: ``reader.start``, one transfer
 per source, waited for until done or past the reader's deadline; a row records which layers it
 holds, so a block read again for one layer costs one layer's bytes); inside a capture they only
-look ids up, and whoever replays the graph calls ``make_resident_layers`` on what it will read
-first (the lookahead retrieval does, for each layer's copy list, before their tail). Row-table
+look ids up, and whoever replays the graph makes what it will read resident first: the lookahead
+retrieval starts each layer's reads while the replay runs (``start_reads``, no device sync: the
+remote-fetch stage, ``kv/remote_fetch.py``) and waits for them before the tail (``wait_reads``),
+or calls ``make_resident_layers`` on every layer's copy list at once. Row-table
 updates reach the device with ``flush`` (on the current stream; every path above flushes). A block
 whose read fails stays not resident (copies skip it) and is reported by ``take_failed``: the
 backend ends the sequences whose tables name it, with the reason, and the others go on.
@@ -100,13 +102,15 @@ class CacheStats:
     """Counts since start, of located blocks wanted resident: with every layer wanted already
     in their rows (``hits``), or not (``misses``: read from the remote tier, in ``units``, a whole
     block or one layer of one, ``bytes`` in all; reads that failed not counted), over
-    ``remote_reads`` transfers (failed ones too), of which ``deferred`` were still running when
-    their caller's stall budget ran out; and rows taken back."""
+    ``remote_reads`` transfers (failed ones too), of which ``early_reads`` were started while a
+    replay ran (``start_reads``) and ``deferred`` were still running when their caller's stall
+    budget ran out; and rows taken back."""
     hits: int = 0
     misses: int = 0
     units: int = 0
     bytes: int = 0
     remote_reads: int = 0
+    early_reads: int = 0
     deferred: int = 0
     evictions: int = 0
 
@@ -215,15 +219,46 @@ class HostCache(HostStore):
                 want[b] = want.get(b, 0) | 1 << layer
         return self._ensure(want, partial, stall_s)
 
+    def start_reads(self, want: dict[int, int], keep: set[int]) -> None:
+        """While a replay runs (the remote-fetch stage, ``kv/remote_fetch.py``): give the blocks
+        of ``want`` (block -> mask of the layers wanted) rows and start reading their missing
+        units from their remote tiers, one transfer per source, as ``make_resident_layers`` does,
+        but without waiting for the reads and without touching the device: the caller has waited
+        for every device copy out of the store, and the row table reaches the device at the next
+        flush (``wait_reads``). ``keep``: the blocks the step wants so far, ``want``'s included,
+        which no eviction here takes."""
+        self._ensure(dict(want), True, 0.0, keep=keep, quiet=True, wait=False)
+
+    def wait_reads(self, want: dict[int, int], stall_s: float | None) -> dict[int, int]:
+        """After ``start_reads``: wait ``stall_s`` at most (None: until each is done or past its
+        deadline) for the reads of the units ``want`` (block -> mask of its layers), and flush.
+        Returns the wanted units still being read (pending); the reads still running count as
+        deferred."""
+        if self._reads:
+            self._settle(None if stall_s is None else time.monotonic() + stall_s, want)
+            self.stats.deferred += sum(1 for r in self._reads if self._reads_any(r, want))
+        self.flush()
+        return {b: mask & self.pending[b] for b, mask in want.items()
+                if mask & self.pending.get(b, 0)}
+
+    def _reads_any(self, read: _Read, want: dict[int, int]) -> bool:
+        """Whether ``read`` writes one of the units ``want``."""
+        return any(want.get(self._block_at[row], 0) & self._unit_mask(layer)
+                   for _, row, layer in read.units)
+
     def poll(self) -> None:
         """Settle the reads that finished (or failed) since the last call; never waits."""
         if self._reads:
             self._settle(time.monotonic(), None)
             self.flush()
 
-    def _ensure(self, want: dict[int, int], partial: bool,
-                stall_s: float | None) -> dict[int, int]:
-        """``make_resident_layers`` for ``want``: block -> mask of the layers wanted."""
+    def _ensure(self, want: dict[int, int], partial: bool, stall_s: float | None,
+                keep: set[int] | None = None, quiet: bool = False,
+                wait: bool = True) -> dict[int, int]:
+        """``make_resident_layers`` for ``want``: block -> mask of the layers wanted; ``keep``: the
+        blocks no eviction may take (default: ``want``'s), ``quiet``: no device copy out of the
+        store is running (no device sync), ``wait``: wait for the reads (``stall_s``) and flush
+        (else neither: ``start_reads``)."""
         if self._reads:  # (a caller that cannot wait less waits for the units it needs)
             self._settle(time.monotonic() if stall_s is not None else None, want)
         for b in [b for b in want if b in self.where and self.where[b].lease in self._lost
@@ -236,9 +271,9 @@ class HostCache(HostStore):
         blocks = list(want)
         self.touch(blocks)
         missing = [b for b in blocks if self._row_of[b] < 0]
-        self._quiet = False
+        self._quiet = quiet
         if missing:
-            keep, taken = set(blocks), []
+            keep, taken = set(blocks) if keep is None else keep, []
             spare = len(self._free_rows) + len(self._evictable) - sum(
                 1 for b in blocks if b in self._evictable)
             if len(missing) > spare and not partial:
@@ -279,7 +314,7 @@ class HostCache(HostStore):
             else:
                 reads[loc.source] += [(loc.block, row, layer) for layer in range(self._layers)
                                       if lacking >> layer & 1]
-        if reads and self.rows.is_cuda:
+        if reads and self.rows.is_cuda and not self._quiet:
             torch.cuda.synchronize()
         started = []
         for source, units in reads.items():
@@ -298,6 +333,9 @@ class HostCache(HostStore):
                 self.pending[b] = self.pending.get(b, 0) | self._unit_mask(layer)
                 self._evictable.pop(b, None)  # (its row is being written)
         self._reads += started
+        if not wait:
+            self.stats.early_reads += len(started)
+            return {}
         if self._reads:
             until = None if stall_s is None else time.monotonic() + stall_s
             self._settle(until, want)

@@ -191,6 +191,11 @@ class PrefetchPipeline:
         self._pending = [None] * len(self._pending)
         self._last_selected, self._busy = None, set()
 
+    def wait_tail(self) -> None:
+        """Hold the host until the last tail launched has run (none: returns at once)."""
+        if self.asynchronous:
+            self._tail_done.synchronize()
+
     def wait_selections(self) -> None:
         """Order the foreground after every selection launched so far (before it reads their
         counters)."""

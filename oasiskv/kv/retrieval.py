@@ -3,8 +3,9 @@
 Both answer the calls of ``Retrieval`` (each a no-op there), made by the sparse backend for each
 layer of a decode step:
 ``claim(layer)`` before the layer touches its working set (prefill too), ``before_attention`` and
-``after_attention`` around sparse attention; per step ``finish()`` once the step's tokens are read;
-and the graph hooks ``begin_capture`` / ``end_capture(bucket)`` / ``replaying(bucket)``.
+``after_attention`` around sparse attention; per step ``during_step()`` while the device runs the
+step and ``finish()`` once its tokens are read; and the graph hooks ``begin_capture`` /
+``end_capture(bucket)`` / ``replaying(bucket)``.
 
 - ``SyncRetrieval`` (``draft=none``): before attention, score and select with the token's own query
   and copy the admitted blocks, on the foreground stream (the foreground stalls for it).
@@ -12,8 +13,9 @@ and the graph hooks ``begin_capture`` / ``end_capture(bucket)`` / ``replaying(bu
   (the draft row's, or the real one without a guess), on side streams (``prefetch=async``,
   ``kv/prefetch.py``) or in line. Inside a CUDA graph only the selections are captured; each
   bucket's copies become a tail graph launched by ``finish`` after the replay; with a decode-host
-  cache (``kv/host_cache.py``) ``finish`` first gives the blocks the replay's selections admitted
-  rows (a host sync on those selections, and reads from the remote tier for evicted blocks).
+  cache (``kv/host_cache.py``) the blocks the replay's selections admitted get rows first, and
+  those it evicted are read from the remote tier: layer by layer while the replay runs
+  (``during_step``, the remote-fetch stage, ``kv/remote_fetch.py``), the rest in ``finish``.
 
 ``prefetch=off`` selects nothing after seeding (measurements of the foreground alone).
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from oasiskv.kv.prefetch import PrefetchPipeline, Tail
+from oasiskv.kv.remote_fetch import RemoteFetch
 from oasiskv.kv.tiered import DecodeRows, TieredKV
 
 
@@ -62,6 +65,9 @@ class Retrieval:
     def after_attention(self, layer: int, q_next: torch.Tensor, rows: DecodeRows,
                         tables: torch.Tensor) -> None:
         """They attended; ``q_next`` predicts each row's query at the next step."""
+
+    def during_step(self) -> None:
+        """The step is launched on the device; the host has not waited for its tokens yet."""
 
     def finish(self) -> None:
         """The step's tokens are read."""
@@ -117,6 +123,7 @@ class LookaheadRetrieval(Retrieval):
         self._tails: dict[int, Tail | None] = {}
         self._due: Tail | None = None  # the tail of the graph being replayed
         self._due_items = 0  # the copy lists' items that graph's selections wrote
+        self._remote: RemoteFetch | None = None  # replays' remote-fetch stage (decode-host cache)
 
     def allocate(self, max_seqs: int) -> None:
         if self.active:
@@ -124,6 +131,9 @@ class LookaheadRetrieval(Retrieval):
             items = max_seqs * lay.num_kv_heads * self.kv.cap
             self._copy_lists = [torch.full((3, items), -1, dtype=torch.long, device=self.kv.device)
                                 for _ in range(lay.num_layers)]
+            # (tensor-parallel ranks, stall_s None, wait for their reads in finish)
+            if self.kv.host.evicts and self.pipeline.asynchronous and self.stall_s is not None:
+                self._remote = RemoteFetch(lay.num_layers, items, self.kv.device)
 
     def claim(self, layer: int) -> None:
         self.pipeline.wait(layer)  # this layer's working set is the foreground's again
@@ -145,13 +155,24 @@ class LookaheadRetrieval(Retrieval):
 
         def select() -> torch.Tensor:
             plan = kv.retrieve(layer, q_next, slots, tables, complete, fetch=False, now=now)
-            return kv.ws.copy_list(slots, *plan, out=out)
+            items = kv.ws.copy_list(slots, *plan, out=out)
+            if self._remote is not None and torch.cuda.is_current_stream_capturing():
+                self._remote.publish(layer, items[0])
+            return items
 
         self.pipeline.launch(layer, select, lambda items: self._gather(layer, items),
                              keep=(q_next, slots, tables, complete, now))
         if (layer == kv.layout.num_layers - 1 and self.pipeline.asynchronous
                 and torch.cuda.is_current_stream_capturing()):
             self.pipeline.join()  # a captured step ends with its side streams joined
+
+    def during_step(self) -> None:
+        """While a replay with a decode-host cache runs: its remote-fetch stage."""
+        remote = self._remote
+        if self._due is not None and remote is not None and remote.armed and self.active:
+            done = torch.cuda.Event()
+            done.record()  # (after the replay: its side streams are joined into this one)
+            remote.advance(self.kv.host, self.pipeline.wait_tail, done.query)
 
     def finish(self) -> None:
         """Launch the replayed graph's tail, then order the foreground after the step's selections
@@ -181,10 +202,18 @@ class LookaheadRetrieval(Retrieval):
         rows when it runs. Copies of blocks still being read after ``stall_s`` are deferred."""
         self.pipeline.wait_selections()
         lists = [items[:, :self._due_items] for items in self._copy_lists]
-        wanted = torch.stack([items[0] for items in lists]).tolist()
-        pending = self.kv.host.make_resident_layers(
-            [[b for b in set(ids) if b >= 0] for ids in wanted], partial=True,
-            stall_s=self.stall_s)
+        remote, host = self._remote, self.kv.host
+        if remote is not None and remote.armed:  # (the layers not started while it ran, now)
+            remote.advance(host, self.pipeline.wait_tail, None)
+            pending = host.wait_reads(remote.want, self.stall_s)
+            wanted = ([remote.ids_of(layer).tolist() for layer in range(len(lists))]
+                      if pending else [])
+            remote.disarm()
+        else:
+            wanted = torch.stack([items[0] for items in lists]).tolist()
+            pending = host.make_resident_layers(
+                [[b for b in set(ids) if b >= 0] for ids in wanted], partial=True,
+                stall_s=self.stall_s)
         if pending:
             for layer, (items, ids) in enumerate(zip(lists, wanted)):
                 self._defer(layer, items, ids, pending)
@@ -249,3 +278,5 @@ class LookaheadRetrieval(Retrieval):
     def replaying(self, bucket: int) -> None:
         self._due = self._tails[bucket]
         self._due_items = bucket * self.kv.layout.num_kv_heads * self.kv.cap
+        if self._remote is not None and self._due is not None:
+            self._remote.arm(self._due_items)

@@ -879,6 +879,8 @@ class _CacheCollector:
                 ("hits", "Prompt blocks the decode-host cache held when they were read", s.hits),
                 ("misses", "Prompt blocks it read again from the remote tier", s.misses),
                 ("evictions", "Host rows it took back (LRU)", s.evictions),
+                ("overlapped_reads", "Reads started layer by layer while a decode step's graph "
+                 "replayed (the remote-fetch stage)", s.early_reads),
                 ("deferred_reads", "Reads still running when a step stopped waiting for them "
                  "(--remote-stall-ms): their requests sat out steps", s.deferred)):
             yield CounterMetricFamily(f"oasiskv_pd_cache_{name}", doc, value=value)

@@ -15,6 +15,7 @@ from oasiskv.bench.host_cache import decode_imported
 from oasiskv.kv.allocator import TieredAllocator
 from oasiskv.kv.host_cache import HostCache, NoHostRows
 from oasiskv.kv.layout import TieredLayout
+from oasiskv.kv.remote_fetch import RemoteFetch
 from tests.engine.test_oasis import GREEDY, prompts
 from tests.helpers import write_tiny_checkpoint
 
@@ -40,8 +41,10 @@ def test_a_bounded_decode_host_decodes_the_tokens_of_one_that_keeps_everything(t
     assert isinstance(host, HostCache) and host.num_blocks == 4 * host.num_physical
     # prompt blocks were evicted by the LRU pass and read again when selected
     assert host.stats.evictions > 0 and host.stats.misses > 0
-    # read again a layer at a time, as the selections want them
+    # read again a layer at a time, as the selections want them; on a GPU, started while the
+    # replay that selected them ran (the remote-fetch stage)
     assert host.reader.units == host.stats.units and host.reader.layer_units > 0
+    assert (host.stats.early_reads > 0) == (device == "cuda")
     # the requests ended: every lease is idle, nothing is located, rows and ids agree
     assert sorted(idle) == [0, 1, 2] and not host.where
     host.check_invariants()
@@ -102,6 +105,7 @@ def test_a_slow_remote_tier_holds_back_only_the_requests_that_read_from_it(tiny,
     last = max(i for i, ids in enumerate(run.progress) if "1" in ids)
     others_only = [i for i in range(last) if run.progress[i] and "1" not in run.progress[i]]
     assert run.host.stats.deferred > 0 and len(others_only) > 5
+    assert (run.host.stats.early_reads > 0) == (device == "cuda")
     run.host.check_invariants()
 
 
@@ -148,7 +152,10 @@ def test_random_use_keeps_the_cache_consistent():
     writing), lost leases and LRU passes against a 12-row cache of 48 ids, callers that wait for
     their reads and callers that do not: rows and ids stay one to one, every layer a caller asked
     for holds its block's contents unless it was told the layer is still pending (or its read
-    failed), and a block nobody can read again (unlocated, in use) is never evicted."""
+    failed), and a block nobody can read again (unlocated, in use) is never evicted. Some callers
+    start their reads a layer at a time and wait for them afterwards, as a replay's remote-fetch
+    stage does (``start_reads`` then ``wait_reads``): a layer's reads never evict a block an
+    earlier layer of the same step wants."""
     rng = random.Random(0)
     layout = TieredLayout(2, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
     host = HostCache(layout, 48, False, 12, torch.device("cpu"), 0.5)
@@ -196,6 +203,25 @@ def test_random_use_keeps_the_cache_consistent():
                 tables.append(blocks)
             elif op < 0.5 and tables:
                 alloc.release(tables.pop(rng.randrange(len(tables))))
+            elif op < 0.58 and tables:  # a replayed step: per layer, then one wait
+                want, keep = {}, set()
+                for i in (0, 1):
+                    blocks = rng.sample(rng.choice(tables), 1)
+                    blocks += [b for b in rng.choice(tables) if rng.random() < 0.5]
+                    blocks = list(dict.fromkeys(blocks))
+                    keep.update(blocks)
+                    for b in blocks:
+                        want[b] = want.get(b, 0) | 1 << i
+                    host.start_reads(dict.fromkeys(blocks, 1 << i), keep)
+                    for b in keep:  # (nothing the step wants lost its row, but by a failure)
+                        assert host.resident(b) or b in host.failed, b
+                pending = host.wait_reads(want, rng.choice([0.0, None]))
+                host.take_failed()
+                for b, mask in want.items():
+                    if host.resident(b):
+                        for i in (0, 1):
+                            if mask >> i & 1 and not pending.get(b, 0) >> i & 1:
+                                assert (host.k[host._row_of[b], i] == content[b]).all(), (b, i)
             elif op < 0.8 and tables:
                 table, layer = rng.choice(tables), rng.choice([None, 0, 1])
                 pending = {}
@@ -369,4 +395,129 @@ def test_a_block_let_go_while_its_read_is_in_flight_is_never_used_stale():
     host.poll()
     assert not host.take_failed()
     host.released([gone])
+    host.check_invariants()
+
+
+def _located_cache(rows: int, blocks: int, slow_polls: int = 0):
+    """A 2-layer cache of ``rows`` rows whose first ``blocks`` ids are located on "peer" (their
+    contents there: 1000 + id) and evicted; its tier records each transfer started (source,
+    layers) and completes a read ``slow_polls`` polls after it starts, copying only then."""
+    layout = TieredLayout(2, 1, 16, 16, 2, torch.float32, torch.float32, torch.float32)
+    host = HostCache(layout, 64, False, rows, torch.device("cpu"), 0.5)
+    alloc = TieredAllocator(64, 4, 16, host=host)
+    table = []
+    while len(table) < blocks:  # (a few at a time: each takes a row until it is evicted)
+        more = alloc.hold_new(min(rows, blocks - len(table)))
+        host.locate(more, more, "peer", "lease")
+        for b in more:
+            host._evict(b)  # (as the LRU pass would, in time)
+        table += more
+    starts = []
+
+    class Read:
+        def __init__(self, units):
+            self.units, self.polls = units, slow_polls
+
+        def done(self):
+            if self.polls:
+                self.polls -= 1
+                return False
+            for b, row, layer in self.units:  # (layer -1: the whole block)
+                host.k[row, max(layer, 0):None if layer < 0 else layer + 1] = 1000 + b
+            return True
+
+    class Tier:
+        def start(self, source, remote_blocks, rows, layers):
+            starts.append((source, sorted(set(layers))))
+            return Read(list(zip(remote_blocks, rows, layers)))
+
+    host.reader = Tier()
+    return host, table, starts
+
+
+def test_the_remote_fetch_stage_starts_each_layer_as_its_selection_is_published():
+    """``RemoteFetch`` (as a replay runs): the ids of layer 0 are published, its reads start (one
+    transfer, the misses of both "requests" coalesced) before layer 1's ids exist; layer 1's
+    start once published; the device copies out of the store are waited for once; reads still
+    running after the step's wait are pending (the copies that need them are deferred), and
+    land later with the remote contents."""
+    host, table, starts = _located_cache(rows=16, blocks=6, slow_polls=2)
+    remote = RemoteFetch(2, 8, torch.device("cpu"))
+    tail_waits = []
+    ids = [torch.tensor([table[0], table[1], -1, table[0], table[4], -1], dtype=torch.long),
+           torch.tensor([table[2], -1, table[3], table[3], -1, -1], dtype=torch.long)]
+    remote.arm(6)
+    remote.publish(0, ids[0])
+    looks = []
+
+    def replay_done():  # layer 1 is selected while the host looks at the flags
+        looks.append(len(starts))
+        if len(looks) == 2:
+            remote.publish(1, ids[1])
+        return False
+
+    remote.advance(host, lambda: tail_waits.append(1), replay_done)
+    assert looks[:2] == [1, 1] and starts == [("peer", [0]), ("peer", [1])]
+    assert tail_waits == [1] and remote.early_layers == 2 and host.stats.early_reads == 2
+    assert remote.want == {table[0]: 1, table[1]: 1, table[4]: 1, table[2]: 2, table[3]: 2}
+    remote.advance(host, lambda: tail_waits.append(1), None)  # finish: nothing left to start
+    assert len(starts) == 2 and tail_waits == [1]
+    pending = host.wait_reads(remote.want, stall_s=0.0)
+    assert pending == remote.want and host.stats.deferred == 2
+    assert host.wait_reads(remote.want, stall_s=None) == {}
+    for b, mask in remote.want.items():
+        layer = mask.bit_length() - 1
+        assert (host.k[host._row_of[b], layer] == 1000 + b).all()
+    remote.disarm()
+    assert not remote.armed and not remote.want
+    host.check_invariants()
+
+
+def test_layers_published_by_the_time_the_host_looks_are_read_in_one_transfer():
+    """A small model's layers outrun the host's work per transfer: the layers whose flags are up
+    when the host looks go out together, one transfer per source for all of them."""
+    host, table, starts = _located_cache(rows=16, blocks=4)
+    remote = RemoteFetch(2, 4, torch.device("cpu"))
+    remote.arm(2)
+    remote.publish(0, torch.tensor([table[0], table[1]], dtype=torch.long))
+    remote.publish(1, torch.tensor([table[1], table[2]], dtype=torch.long))
+    remote.advance(host, lambda: None, lambda: False)
+    # one transfer: layer 0's units, layer 1's, and the block both want as a whole (-1)
+    assert starts == [("peer", [-1, 0, 1])] and remote.early_layers == 2
+    assert remote.want == {table[0]: 1, table[1]: 3, table[2]: 2}
+    assert host.wait_reads(remote.want, stall_s=None) == {}
+    for b, mask in remote.want.items():
+        for layer in (0, 1):
+            if mask >> layer & 1:
+                assert (host.k[host._row_of[b], layer] == 1000 + b).all()
+    host.check_invariants()
+
+
+def test_a_layer_never_published_is_left_to_finish_and_then_is_an_error():
+    host, table, starts = _located_cache(rows=8, blocks=2)
+    remote = RemoteFetch(2, 4, torch.device("cpu"))
+    remote.arm(2)
+    remote.publish(0, torch.tensor([table[0], -1], dtype=torch.long))
+    remote.advance(host, lambda: None, lambda: True)  # the replay is over, layer 1 never came
+    assert starts == [("peer", [0])] and remote.early_layers == 1
+    with pytest.raises(RuntimeError, match="layer 1"):
+        remote.advance(host, lambda: None, None)
+
+
+def test_a_later_layer_never_evicts_a_block_an_earlier_layer_of_the_step_wants():
+    """Three rows: layer 0 makes two blocks resident; layer 1 wants two others. Without the
+    step's ``keep`` the LRU would take layer 0's rows; with it layer 1 gets the free row and its
+    other block fails (too many blocks at once), as one call for both layers would have."""
+    host, table, starts = _located_cache(rows=3, blocks=4)
+    remote = RemoteFetch(2, 4, torch.device("cpu"))
+    remote.arm(2)
+    remote.publish(0, torch.tensor(table[:2], dtype=torch.long))
+    remote.publish(1, torch.tensor(table[2:], dtype=torch.long))
+    remote.advance(host, lambda: None, None)
+    assert host.wait_reads(remote.want, stall_s=None) == {}
+    assert host.resident(table[0]) and host.resident(table[1])
+    assert sum(host.resident(b) for b in table[2:]) == 1
+    failed = host.take_failed()
+    assert len(failed) == 1 and set(failed) < set(table[2:])
+    assert "rows" in next(iter(failed.values()))
     host.check_invariants()
