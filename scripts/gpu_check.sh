@@ -139,26 +139,34 @@ for stage in $stages; do
         done
       done ;;
     pd-smoke)  # 1 GPU: the disaggregated path on CUDA, both workers sharing the GPU (0.4 of its memory
-      # each), 8 x 8K prompts; carry .whl (NIXL and the server packages) without the fixtures.
-      # PD_SETUPS (default single,pd,pd-cache:0.2: a decode-host cache of 4 GiB, the 8 prompts' KV
-      # being 9.4 GB)
+      # each), PD_REQUESTS (default 8) x 8K prompts; carry .whl (NIXL and the server packages) without
+      # the fixtures. PD_SETUPS (default single,pd,pd-cache:0.2: a decode-host cache of 4 GiB, the 8
+      # prompts' KV being 9.4 GB); PD_TREES="before after" runs the tree in .before/ first (compare)
       need fastapi uvicorn pydantic httpx nixl-cu13
-      python3 scripts/pd_bench.py "${BENCH_MODEL:-qwen3-8b}" --context 8192 --requests 8 --max-tokens 32 \
-        --prefill-gpu 0 --decode-gpu 0 --prefill-flags "--gpu-memory-utilization 0.4" \
-        --setups "${PD_SETUPS:-single,pd,pd-cache:0.2}" --decode-flags "--host-kv-gib 4" -- \
-        --kv-mode oasis --host-kv-gib 24 --draft ngram --gpu-memory-utilization 0.8 2>&1 \
-        | tee "$OUT/pd_smoke.log" | grep -v '^{' | tail -6
-      summary+=("pd-smoke: $(tail -1 "$OUT/pd_smoke.log" | cut -c1-300)") ;;
+      for tree in ${PD_TREES:-after}; do
+        dir=$PWD; [ "$tree" = before ] && dir=$PWD/.before
+        PYTHONPATH=$dir python3 scripts/pd_bench.py "${BENCH_MODEL:-qwen3-8b}" --context 8192 \
+          --requests "${PD_REQUESTS:-8}" --max-tokens 32 --prefill-gpu 0 --decode-gpu 0 \
+          --prefill-flags "--gpu-memory-utilization 0.4" --setups "${PD_SETUPS:-single,pd,pd-cache:0.2}" \
+          --decode-flags "--host-kv-gib 4" -- --kv-mode oasis --host-kv-gib 24 --draft ngram \
+          --gpu-memory-utilization 0.8 2>&1 | tee "$OUT/pd_smoke_$tree.log" | grep -v '^{' | tail -6
+        summary+=("pd-smoke $tree: $(tail -1 "$OUT/pd_smoke_$tree.log" | cut -c1-400)")
+      done ;;
     pd-partial)  # 1 GPU: full against partial admission on the fixture target (trained), both workers
       # sharing the GPU, 16 x 8K windows of held-out text, decode-host cache f_host 0.2; carry .whl,
-      # and .fixtures in a call just before (a warm machine keeps it; both do not fit one call)
+      # and .fixtures in a call just before (a warm machine keeps it; both do not fit one call);
+      # PD_TREES="before after" runs the tree in .before/ first (compare)
       need fastapi uvicorn pydantic httpx nixl-cu13
-      python3 scripts/pd_bench.py "$OASISKV_FIXTURES/target" --text "$OASISKV_FIXTURES/eval_dev.json" \
-        --context 8192 --requests 16 --max-tokens 64 --prefill-gpu 0 --decode-gpu 0 \
-        --prefill-flags "--gpu-memory-utilization 0.3" --setups "${PD_SETUPS:-single,pd-cache:0.2,pd-partial:0.2}" \
-        --decode-flags "--host-kv-gib 0.5" -- --kv-mode oasis --host-kv-gib 2 --draft ngram --topk-blocks 32 \
-        --fetch-ratio 0.05 --gpu-memory-utilization 0.7 2>&1 | tee "$OUT/pd_partial.log" | grep -v '^{' | tail -5
-      summary+=("pd-partial: see table above") ;;
+      for tree in ${PD_TREES:-after}; do
+        dir=$PWD; [ "$tree" = before ] && dir=$PWD/.before
+        PYTHONPATH=$dir python3 scripts/pd_bench.py "$OASISKV_FIXTURES/target" \
+          --text "$OASISKV_FIXTURES/eval_dev.json" --context 8192 --requests 16 --max-tokens 64 \
+          --prefill-gpu 0 --decode-gpu 0 --prefill-flags "--gpu-memory-utilization 0.3" \
+          --setups "${PD_SETUPS:-single,pd-cache:0.2,pd-partial:0.2}" --decode-flags "--host-kv-gib 0.5" \
+          -- --kv-mode oasis --host-kv-gib 2 --draft ngram --topk-blocks 32 --fetch-ratio 0.05 \
+          --gpu-memory-utilization 0.7 2>&1 | tee "$OUT/pd_partial_$tree.log" | grep -v '^{' | tail -5
+        summary+=("pd-partial $tree: see table above")
+      done ;;
     pd-bench)  # 2 GPUs: one node vs a prefill worker (GPU 1) + decode worker (GPU 0), prompt KV over
       # NIXL; PD_REQUESTS (default 32) concurrent 32K prompts, 64 tokens each; PD_SETUPS (default
       # single,pd; add pd-memory for a memory worker on GPU 1 too, with PD_SHARES="--gpu-memory-

@@ -15,8 +15,10 @@ after each request's first, over the time from the first first-token to the last
 largest running batch seen on /metrics (polled), and for the decode worker the bytes read at
 admission, NIXL reads and their GB/s (bytes over the summed transfer seconds) with the p99
 transfer time (histogram bucket bound); with a decode-host cache also the blocks it read again
-(misses, GB, transfers, their p99), its evictions, and the most host rows in use at once (of
-its rows), and how many completions have the first setup's text. A table, then one JSON line.
+(misses, GB, transfers, their p99), its evictions, the reads a step stopped waiting for
+(deferred) and those started while a step's graph replayed (overlapped), and the most host rows
+in use at once (of its rows), and how many completions have the first setup's text. A table,
+then one JSON line.
 Everything after ``--`` goes to every ``oasiskv serve`` as is (both workers need the same KV
 flags). A bench preset runs with
 random weights (``--load-format dummy``), the same in every process; the GPUs given run the
@@ -95,7 +97,10 @@ def run_load(args, front: Server, batch: list[list[int]]) -> dict:
                     last = time.monotonic()
                     first = first or last
                     tokens += 1
-                    text += json.loads(line[6:])["choices"][0]["text"]
+                    event = json.loads(line[6:])
+                    if "choices" not in event:  # (an error event ends the stream)
+                        raise RuntimeError(f"request {i} failed: {event.get('error')}")
+                    text += event["choices"][0]["text"]
         return start, first, last, tokens, text
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -123,6 +128,9 @@ def run_load(args, front: Server, batch: list[list[int]]) -> dict:
                   "cache_reads": m.get("oasiskv_pd_cache_reads_total", 0.0),
                   "cache_read_p99_s": _histogram_p99(m, "oasiskv_pd_cache_read_seconds"),
                   "cache_evictions": m["oasiskv_pd_cache_evictions_total"],
+                  "cache_deferred": m["oasiskv_pd_cache_deferred_reads_total"],
+                  # (a tree without the remote-fetch stage has no such counter)
+                  "cache_overlapped": m.get("oasiskv_pd_cache_overlapped_reads_total", 0.0),
                   "cache_rows_peak": rows[0], "cache_rows": m["oasiskv_pd_cache_rows"]}
     return point
 
@@ -189,7 +197,8 @@ def main() -> int:
                ("remote_gb_s", "remote GB/s", 12), ("remote_read_p99_s", "read p99 s", 11),
                ("cache_misses", "cache misses", 13), ("cache_read_gb", "cache GB", 9),
                ("cache_reads", "cache reads", 12), ("cache_read_p99_s", "cache p99 s", 12),
-               ("cache_evictions", "evictions", 10), ("cache_rows_peak", "rows peak", 10),
+               ("cache_evictions", "evictions", 10), ("cache_deferred", "deferred", 9),
+               ("cache_overlapped", "overlapped", 11), ("cache_rows_peak", "rows peak", 10),
                ("cache_rows", "rows", 8))
     first = next(iter(points.values()))["texts"] if points else []
     for p in points.values():

@@ -44,8 +44,10 @@ class Server:
         from oasiskv.models.loader import preset_names
         self.url = f"http://127.0.0.1:{_port()}"
         load = "dummy" if args.model in preset_names() else "auto"
-        cmd = [sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "serve", args.model,
-               "--port", self.url.rsplit(":", 1)[1], "--load-format", load,
+        # (-P: the package comes from PYTHONPATH or the install, not the working directory, so
+        # that a bench can serve another tree)
+        cmd = [sys.executable, "-P", "-m", "oasiskv.cli", "--log-level", "WARNING", "serve",
+               args.model, "--port", self.url.rsplit(":", 1)[1], "--load-format", load,
                "--max-model-len", str(args.context + args.max_tokens + 1),
                "--max-num-seqs", str(args.requests), *extra, *flags]
         env = dict(os.environ)
