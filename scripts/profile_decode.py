@@ -165,7 +165,8 @@ def host_profile(engine: LLMEngine, steps: int, top: int) -> None:
 HOST_STAGES = [("runner", "held_back"), ("scheduler", "schedule"), ("runner", "_prepare"),
                ("runner", "_rows"), ("runner.backend", "prepare"), ("runner", "_upload"),
                ("runner.block_tables", "build"), ("runner.block_tables", "fill"),
-               ("runner.graphs", "run"), ("runner", "_sample"), ("scheduler", "postprocess"),
+               ("runner.graphs", "run"), ("runner.backend", "during_step"),
+               ("runner", "_sample"), ("scheduler", "postprocess"),
                ("runner", "finish"), ("runner.backend.lookahead", "advance"),
                ("runner.backend.lookahead.drafter", "propose"), ("", "_stop_reason"),
                ("", "_output"), ("", "_record_step")]

@@ -102,8 +102,8 @@ class AttentionBackend(ABC):
         ``[T, Hq, D]``."""
 
     def during_step(self) -> None:
-        """The step's forward is launched on the device and the host is about to wait for its
-        outputs: host work that overlaps the device's (default: none)."""
+        """The step's forward and sampling are launched on the device and the host is about to
+        wait for the sampled tokens: host work that overlaps the device's (default: none)."""
 
     def finish(self, batch: ScheduledBatch) -> StepStats:
         """The step ran and its sampled tokens are appended: run deferred work; the step's stats."""

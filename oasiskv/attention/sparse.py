@@ -161,6 +161,7 @@ class SparseBackend(AttentionBackend):
     def prepare(self, batch: ScheduledBatch) -> StepPlan:
         # the rows' working-set slots, then (lookahead) each row's draft row and the row it drafts
         # for: one host-to-device copy
+        self.retrieval.begin_step()
         arrays = [([self.allocator.slot_of[s.seq_id] for s in batch.seqs], torch.int32)]
         plan = StepPlan()
         if batch.is_prefill:

@@ -167,8 +167,6 @@ class ModelRunner:
                     hidden = self.backend.admit(batch)
             else:
                 hidden = self.forward(batch)
-                with self._device_scope():
-                    self.backend.during_step()
             result = self._sample(batch, hidden, forced)
             if batch.is_prefill and not batch.handoff:
                 self._hand_off(batch, hidden, result)
@@ -302,6 +300,8 @@ class ModelRunner:
                 if st.max_logprobs >= 0:
                     out.token_logprobs, out.top_ids, out.top_logprobs = token_logprobs(
                         logits, out.tokens, st.max_logprobs)
+        with self._device_scope():  # (the step's work is launched, sampling included)
+            self.backend.during_step()
         tokens = out.tokens.tolist()
         lps = (_logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs)
                if out.top_ids is not None else None)

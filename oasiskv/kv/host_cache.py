@@ -99,17 +99,21 @@ class _Read:
 
 @dataclass
 class CacheStats:
-    """Counts since start, of located blocks wanted resident: with every layer wanted already
-    in their rows (``hits``), or not (``misses``: read from the remote tier, in ``units``, a whole
-    block or one layer of one, ``bytes`` in all; reads that failed not counted), over
-    ``remote_reads`` transfers (failed ones too), of which ``early_reads`` were started while a
-    replay ran (``start_reads``) and ``deferred`` were still running when their caller's stall
-    budget ran out; and rows taken back."""
+    """Counts since start, of located blocks wanted resident, per call that wants them (the eager
+    path asks once per layer, a replay's remote-fetch stage once per batch of layers, the old
+    replay path once for all): with every layer wanted already in their rows (``hits``), or not
+    (``misses``: blocks read from the remote tier, per transfer, in ``units``, a whole block or
+    one layer of one, ``bytes`` in all; reads that failed not counted), over ``remote_reads``
+    transfers (failed ones too), of which ``staged_reads`` were started by a replay's
+    remote-fetch stage (``start_reads``), ``early_reads`` of those while the replay still ran, and
+    ``deferred`` were still running when the step that started them stopped waiting; and rows
+    taken back."""
     hits: int = 0
     misses: int = 0
     units: int = 0
     bytes: int = 0
     remote_reads: int = 0
+    staged_reads: int = 0
     early_reads: int = 0
     deferred: int = 0
     evictions: int = 0
@@ -148,6 +152,7 @@ class HostCache(HostStore):
         #: blocks whose read failed (since ``take_failed``), with why
         self.failed: dict[int, str] = {}
         self._reads: list[_Read] = []  # in flight
+        self._staged: list[_Read] = []  # started by ``start_reads`` since the last ``wait_reads``
         self.pending: dict[int, int] = {}  # block -> mask of its layers being read
         self._retired: set[int] = set()  # rows a failed read may still write
         self.on_forget: Callable[[int], None] = lambda block: None
@@ -219,32 +224,32 @@ class HostCache(HostStore):
                 want[b] = want.get(b, 0) | 1 << layer
         return self._ensure(want, partial, stall_s)
 
-    def start_reads(self, want: dict[int, int], keep: set[int]) -> None:
+    def start_reads(self, want: dict[int, int], keep: set[int], early: bool) -> None:
         """While a replay runs (the remote-fetch stage, ``kv/remote_fetch.py``): give the blocks
         of ``want`` (block -> mask of the layers wanted) rows and start reading their missing
         units from their remote tiers, one transfer per source, as ``make_resident_layers`` does,
         but without waiting for the reads and without touching the device: the caller has waited
         for every device copy out of the store, and the row table reaches the device at the next
         flush (``wait_reads``). ``keep``: the blocks the step wants so far, ``want``'s included,
-        which no eviction here takes."""
+        which no eviction here takes; ``early``: the replay still runs (``early_reads``)."""
+        started = len(self._staged)
         self._ensure(dict(want), True, 0.0, keep=keep, quiet=True, wait=False)
+        self.stats.staged_reads += len(self._staged) - started
+        self.stats.early_reads += (len(self._staged) - started) * early
 
     def wait_reads(self, want: dict[int, int], stall_s: float | None) -> dict[int, int]:
         """After ``start_reads``: wait ``stall_s`` at most (None: until each is done or past its
         deadline) for the reads of the units ``want`` (block -> mask of its layers), and flush.
-        Returns the wanted units still being read (pending); the reads still running count as
-        deferred."""
+        Returns the wanted units still being read (pending); the reads the ``start_reads`` calls
+        since the last ``wait_reads`` started that still run count as deferred."""
         if self._reads:
             self._settle(None if stall_s is None else time.monotonic() + stall_s, want)
-            self.stats.deferred += sum(1 for r in self._reads if self._reads_any(r, want))
+            left = {id(r) for r in self._reads}
+            self.stats.deferred += sum(id(r) in left for r in self._staged)
+        self._staged = []
         self.flush()
         return {b: mask & self.pending[b] for b, mask in want.items()
                 if mask & self.pending.get(b, 0)}
-
-    def _reads_any(self, read: _Read, want: dict[int, int]) -> bool:
-        """Whether ``read`` writes one of the units ``want``."""
-        return any(want.get(self._block_at[row], 0) & self._unit_mask(layer)
-                   for _, row, layer in read.units)
 
     def poll(self) -> None:
         """Settle the reads that finished (or failed) since the last call; never waits."""
@@ -334,7 +339,7 @@ class HostCache(HostStore):
                 self._evictable.pop(b, None)  # (its row is being written)
         self._reads += started
         if not wait:
-            self.stats.early_reads += len(started)
+            self._staged += started
             return {}
         if self._reads:
             until = None if stall_s is None else time.monotonic() + stall_s

@@ -191,10 +191,10 @@ class PrefetchPipeline:
         self._pending = [None] * len(self._pending)
         self._last_selected, self._busy = None, set()
 
-    def wait_tail(self) -> None:
-        """Hold the host until the last tail launched has run (none: returns at once)."""
+    def wait_copies(self) -> None:
+        """Hold the host until every copy launched so far (tails and eager copies) has run."""
         if self.asynchronous:
-            self._tail_done.synchronize()
+            self.copy_stream.synchronize()
 
     def wait_selections(self) -> None:
         """Order the foreground after every selection launched so far (before it reads their

@@ -17,11 +17,12 @@ any layer not started yet, waits ``stall_s`` at most for what is still in flight
 copies whose blocks are not there yet and launches the tail.
 
 Order with the store: a read may land in a row that held another block, so no device copy out of
-the store may still run when it starts. While a replay runs those are the previous step's tail
-(the replay copies nothing out of the store itself: its copies are its own tail, launched after
-it, and deferred copies run on the foreground before it), so ``advance`` waits for that tail
-(``tail_done``) before its first read, instead of synchronizing the device (which would wait for
-the replay). The row table reaches the device at ``finish``, behind the replay.
+the store may still run when it starts. While a replay runs those are the copies on the copy
+stream launched before it: the previous step's tail, or an eager step's copies (the replay copies
+nothing out of the store itself: its copies are its own tail, launched after it, and deferred
+copies run on the foreground before it), so ``advance`` waits for the copy stream
+(``copies_done``) before its first read, instead of synchronizing the device (which would wait
+for the replay). The row table reaches the device at ``finish``, behind the replay.
 
 Flags: the host clears them (``arm``) before each replay, when no publish is in flight (the last
 replay's tokens were read, and a captured step ends with its side streams joined).
@@ -55,7 +56,12 @@ class RemoteFetch:
         #: block -> mask of the layers this step wants it at; the blocks themselves (``keep``)
         self.want: dict[int, int] = {}
         self._keep: set[int] = set()
-        self.early_layers = 0  # layers started while their replay ran, since start
+        self.early_layers = 0  # layers started while their replay still ran, since start
+        if device.type == "cuda":  # (compiled now, not first inside a capture)
+            self._publish(torch.full((1,), -1, dtype=torch.long, device=device), self.ids[0],
+                          self.flags[0])
+            torch.cuda.synchronize(device)
+            self._flags_np[:] = 0
 
     def publish(self, layer: int, ids: torch.Tensor) -> None:
         """Inside a capture, on the stream that wrote them: ``layer``'s copy-list block ids
@@ -77,13 +83,13 @@ class RemoteFetch:
         """``layer``'s published block ids (-1: none) of the armed replay."""
         return self._ids_np[layer, :self._items]
 
-    def advance(self, host: HostCache, tail_done: Callable[[], None],
+    def advance(self, host: HostCache, copies_done: Callable[[], None],
                 replay_done: Callable[[], bool] | None) -> None:
         """Start the reads of the layers whose flags have risen, in layer order, those up at once
         together: until every layer is started, or (``replay_done`` given: while the replay runs)
         until the replay is done with a flag still down (its publish never ran: ``finish`` takes
-        that layer). ``tail_done`` waits for the device copies out of the store, once, before
-        the first read."""
+        that layer). ``copies_done`` waits for the device copies out of the store, once, before
+        the first read; a batch of layers started while the replay still runs is early."""
         waited = False
         while self._next < self.num_layers:
             first = ready = self._next
@@ -97,6 +103,7 @@ class RemoteFetch:
                 elif not self._flags_np[first]:  # (it would have risen before the replay ended)
                     return
                 continue
+            early = replay_done is not None and not replay_done()
             want: dict[int, int] = {}
             for layer in range(first, ready):
                 ids = self.ids_of(layer)
@@ -105,13 +112,13 @@ class RemoteFetch:
                     want[b] = want.get(b, 0) | bit
             if want:
                 if not waited:
-                    tail_done()
+                    copies_done()
                     waited = True
                 for b, mask in want.items():
                     self.want[b] = self.want.get(b, 0) | mask
                 self._keep.update(want)
-                host.start_reads(want, self._keep)
-            self.early_layers += (ready - first) * (replay_done is not None)
+                host.start_reads(want, self._keep, early)
+            self.early_layers += (ready - first) * early
             self._next = ready
 
     def disarm(self) -> None:

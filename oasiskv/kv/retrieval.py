@@ -3,9 +3,9 @@
 Both answer the calls of ``Retrieval`` (each a no-op there), made by the sparse backend for each
 layer of a decode step:
 ``claim(layer)`` before the layer touches its working set (prefill too), ``before_attention`` and
-``after_attention`` around sparse attention; per step ``during_step()`` while the device runs the
-step and ``finish()`` once its tokens are read; and the graph hooks ``begin_capture`` /
-``end_capture(bucket)`` / ``replaying(bucket)``.
+``after_attention`` around sparse attention; per step ``begin_step()`` first, ``during_step()``
+while the device runs the step and ``finish()`` once its tokens are read; and the graph hooks
+``begin_capture`` / ``end_capture(bucket)`` / ``replaying(bucket)``.
 
 - ``SyncRetrieval`` (``draft=none``): before attention, score and select with the token's own query
   and copy the admitted blocks, on the foreground stream (the foreground stalls for it).
@@ -65,6 +65,10 @@ class Retrieval:
     def after_attention(self, layer: int, q_next: torch.Tensor, rows: DecodeRows,
                         tables: torch.Tensor) -> None:
         """They attended; ``q_next`` predicts each row's query at the next step."""
+
+    def begin_step(self) -> None:
+        """A step begins (what an earlier step left armed, having failed before ``finish``, is
+        dropped: its requests ended)."""
 
     def during_step(self) -> None:
         """The step is launched on the device; the host has not waited for its tokens yet."""
@@ -166,13 +170,18 @@ class LookaheadRetrieval(Retrieval):
                 and torch.cuda.is_current_stream_capturing()):
             self.pipeline.join()  # a captured step ends with its side streams joined
 
+    def begin_step(self) -> None:
+        self._due = None
+        if self._remote is not None:
+            self._remote.disarm()
+
     def during_step(self) -> None:
         """While a replay with a decode-host cache runs: its remote-fetch stage."""
         remote = self._remote
         if self._due is not None and remote is not None and remote.armed and self.active:
             done = torch.cuda.Event()
             done.record()  # (after the replay: its side streams are joined into this one)
-            remote.advance(self.kv.host, self.pipeline.wait_tail, done.query)
+            remote.advance(self.kv.host, self.pipeline.wait_copies, done.query)
 
     def finish(self) -> None:
         """Launch the replayed graph's tail, then order the foreground after the step's selections
@@ -204,7 +213,7 @@ class LookaheadRetrieval(Retrieval):
         lists = [items[:, :self._due_items] for items in self._copy_lists]
         remote, host = self._remote, self.kv.host
         if remote is not None and remote.armed:  # (the layers not started while it ran, now)
-            remote.advance(host, self.pipeline.wait_tail, None)
+            remote.advance(host, self.pipeline.wait_copies, None)
             pending = host.wait_reads(remote.want, self.stall_s)
             wanted = ([remote.ids_of(layer).tolist() for layer in range(len(lists))]
                       if pending else [])

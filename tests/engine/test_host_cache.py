@@ -41,10 +41,10 @@ def test_a_bounded_decode_host_decodes_the_tokens_of_one_that_keeps_everything(t
     assert isinstance(host, HostCache) and host.num_blocks == 4 * host.num_physical
     # prompt blocks were evicted by the LRU pass and read again when selected
     assert host.stats.evictions > 0 and host.stats.misses > 0
-    # read again a layer at a time, as the selections want them; on a GPU, started while the
-    # replay that selected them ran (the remote-fetch stage)
+    # read again a layer at a time, as the selections want them; on a GPU by the replays'
+    # remote-fetch stage
     assert host.reader.units == host.stats.units and host.reader.layer_units > 0
-    assert (host.stats.early_reads > 0) == (device == "cuda")
+    assert (host.stats.staged_reads > 0) == (device == "cuda")
     # the requests ended: every lease is idle, nothing is located, rows and ids agree
     assert sorted(idle) == [0, 1, 2] and not host.where
     host.check_invariants()
@@ -105,7 +105,7 @@ def test_a_slow_remote_tier_holds_back_only_the_requests_that_read_from_it(tiny,
     last = max(i for i, ids in enumerate(run.progress) if "1" in ids)
     others_only = [i for i in range(last) if run.progress[i] and "1" not in run.progress[i]]
     assert run.host.stats.deferred > 0 and len(others_only) > 5
-    assert (run.host.stats.early_reads > 0) == (device == "cuda")
+    assert (run.host.stats.staged_reads > 0) == (device == "cuda")
     run.host.check_invariants()
 
 
@@ -212,7 +212,7 @@ def test_random_use_keeps_the_cache_consistent():
                     keep.update(blocks)
                     for b in blocks:
                         want[b] = want.get(b, 0) | 1 << i
-                    host.start_reads(dict.fromkeys(blocks, 1 << i), keep)
+                    host.start_reads(dict.fromkeys(blocks, 1 << i), keep, early=True)
                     for b in keep:  # (nothing the step wants lost its row, but by a failure)
                         assert host.resident(b) or b in host.failed, b
                 pending = host.wait_reads(want, rng.choice([0.0, None]))
@@ -435,35 +435,41 @@ def _located_cache(rows: int, blocks: int, slow_polls: int = 0):
     return host, table, starts
 
 
+def _publishes_after_the_first_start(remote: RemoteFetch, starts: list, ids: torch.Tensor):
+    """A ``replay_done`` for ``advance`` under which the replay never ends and layer 1's ids are
+    published once the host has started layer 0's reads (its selection comes later)."""
+    def replay_done() -> bool:
+        if len(starts) == 1 and not remote.flags[1].item():
+            remote.publish(1, ids)
+        return False
+    return replay_done
+
+
 def test_the_remote_fetch_stage_starts_each_layer_as_its_selection_is_published():
     """``RemoteFetch`` (as a replay runs): the ids of layer 0 are published, its reads start (one
     transfer, the misses of both "requests" coalesced) before layer 1's ids exist; layer 1's
     start once published; the device copies out of the store are waited for once; reads still
     running after the step's wait are pending (the copies that need them are deferred), and
     land later with the remote contents."""
-    host, table, starts = _located_cache(rows=16, blocks=6, slow_polls=2)
+    host, table, starts = _located_cache(rows=16, blocks=6, slow_polls=4)
     remote = RemoteFetch(2, 8, torch.device("cpu"))
     tail_waits = []
     ids = [torch.tensor([table[0], table[1], -1, table[0], table[4], -1], dtype=torch.long),
            torch.tensor([table[2], -1, table[3], table[3], -1, -1], dtype=torch.long)]
     remote.arm(6)
     remote.publish(0, ids[0])
-    looks = []
-
-    def replay_done():  # layer 1 is selected while the host looks at the flags
-        looks.append(len(starts))
-        if len(looks) == 2:
-            remote.publish(1, ids[1])
-        return False
-
-    remote.advance(host, lambda: tail_waits.append(1), replay_done)
-    assert looks[:2] == [1, 1] and starts == [("peer", [0]), ("peer", [1])]
-    assert tail_waits == [1] and remote.early_layers == 2 and host.stats.early_reads == 2
+    remote.advance(host, lambda: tail_waits.append(1), _publishes_after_the_first_start(
+        remote, starts, ids[1]))
+    assert starts == [("peer", [0]), ("peer", [1])]
+    assert tail_waits == [1] and remote.early_layers == 2
+    assert host.stats.staged_reads == host.stats.early_reads == 2
     assert remote.want == {table[0]: 1, table[1]: 1, table[4]: 1, table[2]: 2, table[3]: 2}
     remote.advance(host, lambda: tail_waits.append(1), None)  # finish: nothing left to start
     assert len(starts) == 2 and tail_waits == [1]
     pending = host.wait_reads(remote.want, stall_s=0.0)
     assert pending == remote.want and host.stats.deferred == 2
+    # a read still running at a later step's wait is not deferred again
+    assert host.wait_reads(remote.want, stall_s=0.0) == pending and host.stats.deferred == 2
     assert host.wait_reads(remote.want, stall_s=None) == {}
     for b, mask in remote.want.items():
         layer = mask.bit_length() - 1
@@ -499,7 +505,7 @@ def test_a_layer_never_published_is_left_to_finish_and_then_is_an_error():
     remote.arm(2)
     remote.publish(0, torch.tensor([table[0], -1], dtype=torch.long))
     remote.advance(host, lambda: None, lambda: True)  # the replay is over, layer 1 never came
-    assert starts == [("peer", [0])] and remote.early_layers == 1
+    assert starts == [("peer", [0])] and remote.early_layers == 0  # (started after the replay)
     with pytest.raises(RuntimeError, match="layer 1"):
         remote.advance(host, lambda: None, None)
 
@@ -512,8 +518,9 @@ def test_a_later_layer_never_evicts_a_block_an_earlier_layer_of_the_step_wants()
     remote = RemoteFetch(2, 4, torch.device("cpu"))
     remote.arm(2)
     remote.publish(0, torch.tensor(table[:2], dtype=torch.long))
-    remote.publish(1, torch.tensor(table[2:], dtype=torch.long))
-    remote.advance(host, lambda: None, None)
+    remote.advance(host, lambda: None, _publishes_after_the_first_start(
+        remote, starts, torch.tensor(table[2:], dtype=torch.long)))
+    assert starts == [("peer", [0]), ("peer", [1])]  # (two calls: layer 1's came later)
     assert host.wait_reads(remote.want, stall_s=None) == {}
     assert host.resident(table[0]) and host.resident(table[1])
     assert sum(host.resident(b) for b in table[2:]) == 1
