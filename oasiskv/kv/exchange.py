@@ -28,6 +28,7 @@ an import is refused (the prompt is then prefilled where it is).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -74,6 +75,10 @@ class KVExchange:
         self.allocator, self.kv = allocator, backend.kv
         self.summarises = True  # (``finish_import``)
         self.max_held = int(MAX_HELD_SHARE * allocator.num_total_blocks)
+        #: blocks holds will take that are not held yet (a prefill worker's handoffs still
+        #: prefilling: ``LLMEngine.pending_handoff_blocks``), counted against ``max_held``; called
+        #: where the store's bookkeeping runs
+        self.reserved: Callable[[], int] = lambda: 0
 
     @classmethod
     def store_only(cls, layout: TieredLayout, host: HostStore) -> "KVExchange":
@@ -86,11 +91,12 @@ class KVExchange:
         self.kv = _StoreOnly(layout, host)
         self.summarises = False
         self.max_held = host.num_blocks
+        self.reserved = lambda: 0
         return self
 
     def has_room(self, n: int) -> bool:
-        """Whether ``n`` more blocks may be held for exchanges now."""
-        return sum(self.allocator.held.values()) + n <= self.max_held
+        """Whether ``n`` more blocks may be held for exchanges now (besides ``reserved``)."""
+        return sum(self.allocator.held.values()) + self.reserved() + n <= self.max_held
 
     @property
     def block_bytes(self) -> int:

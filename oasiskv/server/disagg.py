@@ -416,6 +416,7 @@ class PrefillService(_KVHolder):
         longest length), and to read a prompt's prefix from when they hold more of it than this
         worker's prefix cache."""
         exchange = _exchange(bridge)
+        exchange.reserved = bridge.engine.pending_handoff_blocks  # (exports leave them room)
         #: the summaries of the blocks handed off, for decode workers to read (2 rows per block
         #: against the host store's 2 * B)
         self.summaries = SummaryMirror(exchange.kv.layout, exchange.kv.host.num_blocks)
@@ -469,13 +470,14 @@ class PrefillService(_KVHolder):
             if self.memory:
                 await self._fetch_prefix(ids)
             # a handoff holds every block of its prompt from the end of its prefill on: one is
-            # made when the store has room for those and for the handoffs still prefilling, asked
-            # as the request is added (else: a full export, bounded as ever)
+            # made when the store has room for those and for the handoffs still prefilling (the
+            # exchange's ``reserved``), asked as the request is added (else: a full export,
+            # bounded the same way)
             need = -(-len(ids) // self.exchange.kv.layout.block_size)
             handle = await self.bridge.submit(
                 [ids], [SamplingParams(max_tokens=1, temperature=0.0)], 1,
-                hand_off=summaries_from is not None and (lambda: self.exchange.has_room(
-                    need + self.bridge.engine.pending_handoff_blocks())))
+                hand_off=summaries_from is not None and (
+                    lambda: self.exchange.has_room(need)))
             try:
                 async for _ in handle.outputs():
                     pass

@@ -157,6 +157,35 @@ def test_a_handoff_counts_its_blocks_once_pending_then_held(tiny):
     assert held() == 0
 
 
+def test_an_export_leaves_room_for_the_handoffs_still_prefilling(tiny):
+    """A prefill worker's exchange counts the blocks its handoffs will hold once their prefills
+    end (``reserved``) against its bound: an export that fits the holds alone but not with them
+    holds nothing; once the handoff is taken and let go, the same export holds its blocks."""
+    engine = LLM(str(tiny), **TIER).engine
+    ex = KVExchange(engine.runner.backend)
+    ex.reserved = engine.pending_handoff_blocks
+    cached, handed = prompts(2, lo=70, hi=110, seed=15)
+    engine.add_request(cached, SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    shareable = len(ex.prompt_hashes(cached))
+    rid = engine.add_request(handed, SamplingParams(max_tokens=1, temperature=0), hand_off=True)
+    pending = engine.pending_handoff_blocks()
+    assert pending == -(-len(handed) // engine.allocator.block_size) and shareable > 0
+    ex.max_held = shareable + pending - 1  # (room for the export, or for the handoff)
+    assert ex.export(cached) == [] and not engine.allocator.held
+    while engine.has_unfinished():
+        engine.step()
+    handoff = engine.take_handoff(rid)
+    assert len(handoff.blocks) == pending and engine.pending_handoff_blocks() == 0
+    assert ex.export(cached) == []  # (the handoff holds its blocks now)
+    engine.allocator.release(handoff.blocks)
+    blocks = ex.export(cached)
+    assert len(blocks) == shareable
+    ex.release(blocks)
+    assert not engine.allocator.held
+
+
 def test_an_engineless_store_relays_a_prefix_with_the_engines_layout(tiny):
     """A memory worker's exchange (``KVExchange.store_only``: a bare host store in the layout
     ``TieredLayout.of`` gives for the model's config and the flags, no engine, no summaries)
