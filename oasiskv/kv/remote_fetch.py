@@ -7,14 +7,16 @@ local fetch. Inside a CUDA graph the selections are made on the device, so the h
 from the device: as the capture makes each layer's copy list it *publishes* the list's block ids
 (``publish``: one small kernel on the select stream writes them into pinned host memory, then
 raises the layer's flag, ``kernels/publish.py``). While the replay runs, the host (``advance``,
-called between the launch and the wait for the step's tokens) takes the layers in order as their
-flags rise and starts their reads at once (``HostCache.start_reads``): the misses of every request
-at the layers whose flags are up, coalesced into one transfer per source (one layer's when the host
-keeps up with the replay, several when a small model's layers outrun the host's work per
-transfer). A layer's reads so overlap the layers after it, the sampling and the host's work up to
-the tail; ``LookaheadRetrieval.finish`` then takes
-any layer not started yet, waits ``stall_s`` at most for what is still in flight, defers the
-copies whose blocks are not there yet and launches the tail.
+called once the step and its sampling are launched, before the wait for its tokens) takes the
+layers in order as their flags rise and starts their reads at once (``HostCache.start_reads``):
+the misses of every request at the layers whose flags are up, coalesced into one transfer per
+source (one layer's when the host keeps up with the replay, several when a small model's layers
+outrun the host's work per transfer). A layer's reads so overlap the layers after it, the sampling
+and the host's work up to the tail; ``LookaheadRetrieval.finish`` then takes any layer not started
+yet, waits ``stall_s`` at most for what is still in flight, defers the copies whose blocks are not
+there yet and launches the tail. The blocks earlier layers of the step want are kept from
+eviction; a block only a later layer wants may be evicted by an earlier one's reads and read
+again (one call for every layer could not have known it either until the replay ended).
 
 Order with the store: a read may land in a row that held another block, so no device copy out of
 the store may still run when it starts. While a replay runs those are the copies on the copy
