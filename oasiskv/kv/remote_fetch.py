@@ -16,7 +16,7 @@ and the host's work up to the tail; ``LookaheadRetrieval.finish`` then takes any
 yet, waits ``stall_s`` at most for what is still in flight, defers the copies whose blocks are not
 there yet and launches the tail. The blocks earlier layers of the step want are kept from
 eviction; a block only a later layer wants may be evicted by an earlier one's reads and read
-again (one call for every layer could not have known it either until the replay ended).
+again: the price of starting before every layer's selection is known.
 
 Order with the store: a read may land in a row that held another block, so no device copy out of
 the store may still run when it starts. While a replay runs those are the copies on the copy
