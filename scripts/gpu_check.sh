@@ -31,6 +31,10 @@ bench() {  # name, then bench flags: BENCH_MODEL (Qwen3-8B shape), random weight
   summary+=("$name: $(grep -E '^(oasis|oasiskv)' "$OUT/$name.log" | awk '{print $1, $2, $3, $5, $6, $7, $11, $12}' | tr '\n' '|')")
 }
 
+tree_dir() {  # the package tree a run named before-* / before uses: .before/, else this one
+  if [ "${1%%-*}" = before ]; then echo "$PWD/.before"; else echo "$PWD"; fi
+}
+
 need() {  # install missing packages from wheels staged in .whl (the machine has no index), e.g.
   # `pip download -d .whl --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
   # --platform manylinux_2_28_x86_64 fastapi uvicorn pydantic httpx nixl-cu13==1.5.1`, then
@@ -77,8 +81,7 @@ for stage in $stages; do
       # 32K, ngram, async, KV_DTYPE, SUMMARY_DTYPE), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C
       # .before`) and this one, interleaved so both see the same machine; COMPARE_RUNS narrows it
       for run in ${COMPARE_RUNS:-before-dense after-dense before-emulated after-emulated}; do
-        tree=$PWD; [ "${run%%-*}" = before ] && tree=$PWD/.before
-        export PYTHONPATH=$tree
+        export PYTHONPATH=$(tree_dir "$run")
         if [ "${run#*-}" = dense ]; then
           bench "$run" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 64 \
             --kv-cache-dtype "$KV_DTYPE"
@@ -144,8 +147,7 @@ for stage in $stages; do
       # prompts' KV being 9.4 GB); PD_TREES="before after" runs the tree in .before/ first (compare)
       need fastapi uvicorn pydantic httpx nixl-cu13
       for tree in ${PD_TREES:-after}; do
-        dir=$PWD; [ "$tree" = before ] && dir=$PWD/.before
-        PYTHONPATH=$dir python3 scripts/pd_bench.py "${BENCH_MODEL:-qwen3-8b}" --context 8192 \
+        PYTHONPATH=$(tree_dir "$tree") python3 scripts/pd_bench.py "${BENCH_MODEL:-qwen3-8b}" --context 8192 \
           --requests "${PD_REQUESTS:-8}" --max-tokens 32 --prefill-gpu 0 --decode-gpu 0 \
           --prefill-flags "--gpu-memory-utilization 0.4" --setups "${PD_SETUPS:-single,pd,pd-cache:0.2}" \
           --decode-flags "--host-kv-gib 4" -- --kv-mode oasis --host-kv-gib 24 --draft ngram \
@@ -158,8 +160,7 @@ for stage in $stages; do
       # PD_TREES="before after" runs the tree in .before/ first (compare)
       need fastapi uvicorn pydantic httpx nixl-cu13
       for tree in ${PD_TREES:-after}; do
-        dir=$PWD; [ "$tree" = before ] && dir=$PWD/.before
-        PYTHONPATH=$dir python3 scripts/pd_bench.py "$OASISKV_FIXTURES/target" \
+        PYTHONPATH=$(tree_dir "$tree") python3 scripts/pd_bench.py "$OASISKV_FIXTURES/target" \
           --text "$OASISKV_FIXTURES/eval_dev.json" --context 8192 --requests 16 --max-tokens 64 \
           --prefill-gpu 0 --decode-gpu 0 --prefill-flags "--gpu-memory-utilization 0.3" \
           --setups "${PD_SETUPS:-single,pd-cache:0.2,pd-partial:0.2}" --decode-flags "--host-kv-gib 0.5" \
@@ -218,8 +219,7 @@ for stage in $stages; do
       # prefills one prompt (prompts share all but their last block); PROFILE_TREES="before after"
       # runs the tree in .before/ first (see compare)
       for tree in ${PROFILE_TREES:-after}; do
-        dir=$PWD; [ "$tree" = before ] && dir=$PWD/.before
-        PYTHONPATH=$dir python3 -P scripts/profile_decode.py qwen3-8b --context-lens 32768 \
+        PYTHONPATH=$(tree_dir "$tree") python3 -P scripts/profile_decode.py qwen3-8b --context-lens 32768 \
           --concurrency "${EMU_CONC:-128}" --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 \
           --emulated-host-gib 700 --draft ngram --kv-cache-dtype "$KV_DTYPE" --prefetch off \
           --host-stages ${SHARED_PROMPTS:+--shared-prompts} 2>&1 | tee "$OUT/profile_host_$tree.log" | grep -v '^{'

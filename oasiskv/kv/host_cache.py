@@ -233,7 +233,7 @@ class HostCache(HostStore):
         flush (``wait_reads``). ``keep``: the blocks the step wants so far, ``want``'s included,
         which no eviction here takes; ``early``: the replay still runs (``early_reads``)."""
         started = len(self._staged)
-        self._ensure(dict(want), True, 0.0, keep=keep, quiet=True, wait=False)
+        self._ensure(dict(want), True, 0.0, keep=keep, staged=True)
         self.stats.staged_reads += len(self._staged) - started
         self.stats.early_reads += (len(self._staged) - started) * early
 
@@ -258,12 +258,10 @@ class HostCache(HostStore):
             self.flush()
 
     def _ensure(self, want: dict[int, int], partial: bool, stall_s: float | None,
-                keep: set[int] | None = None, quiet: bool = False,
-                wait: bool = True) -> dict[int, int]:
+                keep: set[int] | None = None, staged: bool = False) -> dict[int, int]:
         """``make_resident_layers`` for ``want``: block -> mask of the layers wanted; ``keep``: the
-        blocks no eviction may take (default: ``want``'s), ``quiet``: no device copy out of the
-        store is running (no device sync), ``wait``: wait for the reads (``stall_s``) and flush
-        (else neither: ``start_reads``)."""
+        blocks no eviction may take (default: ``want``'s); ``staged``: a ``start_reads`` call (no
+        device copy out of the store runs, so no device sync; no wait for the reads, no flush)."""
         if self._reads:  # (a caller that cannot wait less waits for the units it needs)
             self._settle(time.monotonic() if stall_s is not None else None, want)
         for b in [b for b in want if b in self.where and self.where[b].lease in self._lost
@@ -276,7 +274,7 @@ class HostCache(HostStore):
         blocks = list(want)
         self.touch(blocks)
         missing = [b for b in blocks if self._row_of[b] < 0]
-        self._quiet = quiet
+        self._quiet = staged
         if missing:
             keep, taken = set(blocks) if keep is None else keep, []
             spare = len(self._free_rows) + len(self._evictable) - sum(
@@ -338,7 +336,7 @@ class HostCache(HostStore):
                 self.pending[b] = self.pending.get(b, 0) | self._unit_mask(layer)
                 self._evictable.pop(b, None)  # (its row is being written)
         self._reads += started
-        if not wait:
+        if staged:
             self._staged += started
             return {}
         if self._reads:

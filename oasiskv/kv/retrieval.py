@@ -177,8 +177,8 @@ class LookaheadRetrieval(Retrieval):
 
     def during_step(self) -> None:
         """While a replay with a decode-host cache runs: its remote-fetch stage."""
-        remote = self._remote
-        if self._due is not None and remote is not None and remote.armed and self.active:
+        remote = self._remote  # (armed: a replay with a tail is due)
+        if remote is not None and remote.armed:
             done = torch.cuda.Event()
             done.record()  # (after the replay: its side streams are joined into this one)
             remote.advance(self.kv.host, self.pipeline.wait_copies, done.query)
