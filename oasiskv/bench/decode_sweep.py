@@ -2,18 +2,18 @@
 
 For each point, ``concurrency`` requests with random prompt tokens of ``context`` length are
 prefilled (not timed), then every decode step is timed. Reported per point: output tok/s, TPOT (ms
-per decode step; also the median and the longest step), mean running batch, KV bytes read per step,
-achieved bytes/s (weights + KV per step over step time) and its ratio to the measured device copy
-bandwidth (the roofline). In oasis mode also host->HBM bytes/s over PCIe, how full the fetch cap
-ran (admitted blocks over what the cap allows; random weights at long context fill it: every head
-misses its whole cap, the worst case) and the foreground stall per step: time the decode stream
-waited for prefetch (async) or spent selecting and fetching (synchronous retrieval, inline), timed
-on the device by clock marks (graph replays included; the marks add two one-program kernels per
-layer). What the side stages cost the foreground by sharing the GPU is not stall: that is TPOT with
-``--prefetch async`` minus TPOT with ``--prefetch off``. With ``--emulated-host-gib`` requests
-share physical host blocks (a benchmark-only capacity emulation): every such point is labelled
-EMULATED in the table and the JSON. With ``--engine hf`` transformers' ``generate`` runs the same
-points in the same process as a baseline.
+per decode step; also the median and the longest step, and in the JSON every step), mean running
+batch, KV bytes read per step, achieved bytes/s (weights + KV per step over step time) and its ratio
+to the measured device copy bandwidth (the roofline). In oasis mode also host->HBM bytes/s over
+PCIe, how full the fetch cap ran (admitted blocks over what the cap allows; random weights at long
+context fill it: every head misses its whole cap, the worst case) and the foreground stall per step:
+time the decode stream waited for prefetch (async) or spent selecting and fetching (synchronous
+retrieval, inline), timed on the device by clock marks (graph replays included; the marks add two
+one-program kernels per layer). What the side stages cost the foreground by sharing the GPU is not
+stall: that is TPOT with ``--prefetch async`` minus TPOT with ``--prefetch off``. With
+``--emulated-host-gib`` requests share physical host blocks (a benchmark-only capacity emulation):
+every such point is labelled EMULATED in the table and the JSON. With ``--engine hf`` transformers'
+``generate`` runs the same points in the same process as a baseline.
 Prints a table, writes an optional PNG, and ends with one JSON line.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -57,6 +57,7 @@ class Point:
     achieved_gb_s: float = 0.0
     roofline: float = 0.0
     note: str = ""
+    step_ms: list[float] = field(default_factory=list)  # every decode step, in order (the JSON's)
 
 
 def _ints(text: str) -> list[str]:
@@ -287,6 +288,7 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
         point.tpot_ms = 1e3 * seconds / steps
         point.step_p50_ms = 1e3 * sorted(durations)[len(durations) // 2]
         point.step_max_ms = 1e3 * max(durations)
+        point.step_ms = [round(1e3 * d, 2) for d in durations]
         point.kv_gb_per_step = kv_bytes / steps / 1e9
         weights = weight_bytes(engine.runner.model, round(point.batch)) / 1e9  # MoE: routed only
         point.achieved_gb_s = (weights + point.kv_gb_per_step) / (seconds / steps)

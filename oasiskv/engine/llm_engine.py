@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Mapping
 
 from oasiskv.attention import BackendFactory, make_backend
@@ -116,6 +117,9 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, _Request] = {}
+        #: requests that ended, let go of while the device runs a later step (``_release_ended``)
+        self._ended: list[Sequence] = []
+        self.runner.while_busy = self._release_ended
         #: handoffs of prompts prefilled here for another engine, by request id (``take_handoff``)
         self.handed_off = HandoffTable(lambda blocks: self.allocator.release(blocks))
         self._ids = itertools.count()
@@ -199,6 +203,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.abort(req.seq)
+        self._ended.append(req.seq)
         if self.driver is not None:
             self.driver.forget(req.seq)
         self._update_queue_stats()
@@ -213,6 +218,18 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def release_ended(self) -> None:
+        """Let go of every ended request the engine still holds (when it has nothing to run)."""
+        self._ended.clear()
+
+    def _release_ended(self, has_time: Callable[[], bool]) -> None:
+        """Let go of ended requests while ``has_time()``: the device still runs the step (the
+        runner's ``while_busy``). A request's token lists are freed one Python int at a time:
+        ~0.5 ms for 32K tokens, 65 ms between two replays when a batch of 128 ended at once
+        (docs/benchmarks.md section 24); the requests left wait for the next step."""
+        while self._ended and has_time():
+            self._ended.pop()
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self, forced: Mapping[str, int] | None = None) -> list[RequestOutput]:
@@ -233,6 +250,7 @@ class LLMEngine:
         self.stats.kv_samples = {}  # (a failing step observes nothing)
         if batch is None:  # (nothing runnable now, e.g. every free block held)
             self.stats.last_batch_size = 0
+            self.release_ended()
             if self.scheduler.held:  # (their KV is on its way: no busy loop meanwhile)
                 time.sleep(HELD_WAIT_S)
             return []
@@ -337,6 +355,7 @@ class LLMEngine:
         req.emitted_logprobs = len(seq.output_logprobs)
         if finished:
             del self.requests[seq.request_id]
+            self._ended.append(seq)
         return out
 
     def _record_step(self, batch, num_sampled: int, seconds: float, kv: StepStats) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,6 +113,10 @@ class ModelRunner:
                            self.backend.max_tokens_per_seq)
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        #: host work that can wait for the device (the engine's release of ended requests): called
+        #: once a step's kernels are launched, before its tokens are read, with ``has_time()``:
+        #: true while the device still runs them (always on a CPU, whose kernels ran already)
+        self.while_busy: Callable[[Callable[[], bool]], None] = lambda has_time: None
         self.block_tables = BlockTableRows(config.max_num_seqs)
         self.graphs: CudaGraphRunner | None = None
         if (self.device.type == "cuda" and not config.enforce_eager
@@ -228,6 +233,15 @@ class ModelRunner:
             with forward_context(fb, self.backend):
                 return self.model(fb.input_ids, fb.positions)
 
+    def _running(self) -> Callable[[], bool]:
+        """Whether the work launched so far on the current stream is still running (a CPU's:
+        always true, see ``while_busy``)."""
+        if self.device.type != "cuda":
+            return lambda: True
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: not done.query()
+
     def _device_scope(self):
         return (torch.cuda.device(self.device) if self.device.type == "cuda"
                 else contextlib.nullcontext())
@@ -302,6 +316,7 @@ class ModelRunner:
                         logits, out.tokens, st.max_logprobs)
         with self._device_scope():  # (the step's work is launched, sampling included)
             self.backend.during_step()
+            self.while_busy(self._running())
         tokens = out.tokens.tolist()
         lps = (_logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs)
                if out.top_ids is not None else None)

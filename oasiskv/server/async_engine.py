@@ -302,6 +302,7 @@ class AsyncEngine:
         """Apply pending commands (waiting for one when idle), then run one step. False on stop."""
         try:
             if not self.engine.has_unfinished():
+                self.engine.release_ended()
                 commands = [self._commands.get()]
             elif self._idle:  # unfinished work the scheduler cannot run yet (e.g. held blocks)
                 try:

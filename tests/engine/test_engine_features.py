@@ -1,13 +1,16 @@
 """Engine features on the built-in demo model: stops, streaming, seeds, logprobs, abort, CLI,
 bench."""
+import gc
 import json
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.engine.sequence import Sequence
 from oasiskv.models.loader import DEMO_MODEL
 
 
@@ -75,6 +78,35 @@ def test_abort_frees_blocks_at_once(llm):
     assert engine.allocator.num_free_blocks < free
     assert engine.abort(rid) and not engine.abort(rid)
     assert engine.allocator.num_free_blocks == free and not engine.has_unfinished()
+
+
+def test_ended_requests_are_let_go_of_while_a_later_step_runs(llm):
+    """A request that ends stays held until the next step's kernels are launched (its token lists'
+    release then overlaps them; a CPU's kernels ran already, so it goes at once), or the engine
+    has nothing to run; only while the device has time."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    short = engine.add_request("a = 1\n", params)
+    engine.add_request("b = 2\n", SamplingParams(max_tokens=6, ignore_eos=True))
+    while short in engine.requests:
+        engine.step()
+    ended = weakref.ref(engine._ended[-1])
+    gc.collect()
+    assert ended() is not None
+    engine.step()  # the other request still decodes: this step lets go of the first
+    gc.collect()
+    assert ended() is None and engine.has_unfinished()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine._ended
+    engine.release_ended()
+    assert not engine._ended
+
+    engine._ended.extend(Sequence([1, 2], params) for _ in range(3))
+    time_left = iter([True, False])
+    engine._release_ended(lambda: next(time_left))
+    assert len(engine._ended) == 2  # one let go of, then the device was done
+    engine.release_ended()
 
 
 def test_chat_uses_plain_fallback_without_template(llm):
