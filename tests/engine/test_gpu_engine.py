@@ -45,3 +45,19 @@ def test_kv_pool_is_sized_from_free_memory_and_preemption_recovers(cuda_device, 
     assert small.engine.scheduler.num_preemptions > 0
     assert all(len(o.token_ids) == 160 for o in outs)
     assert small.engine.allocator.num_free_blocks == 300
+
+
+def test_the_runner_tells_while_the_device_still_runs_a_step(cuda_device):
+    """``ModelRunner._running``, which times the engine's release of ended requests: true while
+    the work launched before it runs, false once it is done."""
+    import types
+
+    import torch
+
+    from oasiskv.engine.model_runner import ModelRunner
+    runner = types.SimpleNamespace(device=torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles
+    running = ModelRunner._running(runner)
+    assert running()
+    torch.cuda.synchronize()
+    assert not running()
