@@ -164,7 +164,7 @@ def _flags(parser) -> None:
 def main() -> int:
     args, extra = parse(__doc__, requests=32, max_tokens=64, timeout=1800.0, add=_flags)
     batch = prompts(args)
-    points = {}
+    points, failed = {}, {}
     for setup in args.setups.split(","):
         servers = []
         try:
@@ -190,6 +190,9 @@ def main() -> int:
                 raise SystemExit(f"unknown setup {setup!r} (single, pd, pd-memory, pd-cache:F, "
                                  "pd-partial:F)")
             points[setup] = run_load(args, servers[-1], batch)
+        except RuntimeError as exc:  # (a worker that did not start: the other setups still run)
+            failed[setup] = str(exc)
+            print(f"setup {setup} failed: {exc}", file=sys.stderr)
         finally:
             for s in reversed(servers):  # the front first: it lets go of its leases on the others
                 s.stop()
@@ -212,9 +215,12 @@ def main() -> int:
         print(f"{setup:13} {p['ttft_mean_s']:12.3f} {p['ttft_p99_s']:11.3f} "
               f"{p['decode_tok_s']:13.1f} {p['peak_batch']:11.0f} "
               f"{p['same_text']:>4}/{len(first):<5} " + " ".join(cells))
+    for setup, reason in failed.items():
+        print(f"{setup:13} failed: {reason}")
     print(json.dumps({"model": args.model, "context": args.context, "requests": args.requests,
-                      "max_tokens": args.max_tokens, "flags": extra, "points": points}))
-    return 0
+                      "max_tokens": args.max_tokens, "flags": extra, "points": points,
+                      "failed": failed}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
