@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Mapping
 
 from oasiskv.attention import BackendFactory, make_backend
@@ -223,11 +223,15 @@ class LLMEngine:
         """Let go of every ended request the engine still holds (when it has nothing to run)."""
         self._ended.clear()
 
-    def _release_ended(self, has_time: Callable[[], bool]) -> None:
-        """Let go of ended requests while ``has_time()``: the device still runs the step (the
-        runner's ``while_busy``). A request's token lists are freed one Python int at a time:
-        ~0.5 ms for 32K tokens, 65 ms between two replays when a batch of 128 ended at once
-        (docs/benchmarks.md section 24); the requests left wait for the next step."""
+    def _release_ended(self, running: Callable[[], Callable[[], bool]]) -> None:
+        """Let go of ended requests while the device still runs the step (the runner's
+        ``while_busy``; ``running()`` starts the probe, asked only when a request ended). A
+        request's token lists are freed one Python int at a time: ~0.5 ms for 32K tokens, 65 ms
+        between two replays when a batch of 128 ended at once (docs/benchmarks.md section 24); the
+        requests left wait for the next step."""
+        if not self._ended:
+            return
+        has_time = running()
         while self._ended and has_time():
             self._ended.pop()
 

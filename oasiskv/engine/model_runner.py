@@ -114,9 +114,10 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         #: host work that can wait for the device (the engine's release of ended requests): called
-        #: once a step's kernels are launched, before its tokens are read, with ``has_time()``:
-        #: true while the device still runs them (always on a CPU, whose kernels ran already)
-        self.while_busy: Callable[[Callable[[], bool]], None] = lambda has_time: None
+        #: once a step's kernels are launched, before its tokens are read, with ``_running``, which
+        #: it calls for a probe when it has work: true while the device still runs them (always on
+        #: a CPU, whose kernels ran already)
+        self.while_busy: Callable[[Callable[[], Callable[[], bool]]], None] = lambda running: None
         self.block_tables = BlockTableRows(config.max_num_seqs)
         self.graphs: CudaGraphRunner | None = None
         if (self.device.type == "cuda" and not config.enforce_eager
@@ -316,7 +317,7 @@ class ModelRunner:
                         logits, out.tokens, st.max_logprobs)
         with self._device_scope():  # (the step's work is launched, sampling included)
             self.backend.during_step()
-            self.while_busy(self._running())
+            self.while_busy(self._running)
         tokens = out.tokens.tolist()
         lps = (_logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs)
                if out.top_ids is not None else None)

@@ -106,7 +106,7 @@ def test_ended_requests_are_let_go_of_while_a_later_step_runs(llm, monkeypatch):
 
     engine._ended.extend(Sequence([1, 2], params) for _ in range(3))
     time_left = iter([True, False])
-    engine._release_ended(lambda: next(time_left))
+    engine._release_ended(lambda: lambda: next(time_left))
     assert len(engine._ended) == 2  # one let go of, then the device was done
     engine.release_ended()
 
