@@ -298,6 +298,10 @@ class EngineConfig:
                                "auto (the model's dtype), fp8 (e4m3) or int8, with one float32 "
                                "scale per token and kv head (int8 keeps keys closer: "
                                "kernels/fp8.py)")
+    kv_open_block: str = _opt("model", "with an 8-bit KV cache in the dense pool, each running "
+                              "sequence's open block (the one its tokens are written into) is "
+                              "also kept in the model's dtype and decode reads it from there: "
+                              "model, or kv (read it from the 8-bit cache too; kernels/fp8.py)")
     tier: TierConfig = _opt(TierConfig(), "tiered KV settings (kv_mode=oasis)", cli=False)
 
     def __post_init__(self):
@@ -318,6 +322,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto, fp8 or int8, got "
                              f"{self.kv_cache_dtype!r}")
+        if self.kv_open_block not in ("model", "kv"):
+            raise ValueError(f"kv_open_block must be model or kv, got {self.kv_open_block!r}")
         if self.tier.lookahead and self.kv_mode != "oasis":
             raise ValueError("draft (lookahead) needs kv_mode=oasis")
         if self.tensor_parallel_size < 1:

@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
 #        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-smoke] [pd-partial]
-#        [pd-bench] [profile-host]
+#        [pd-bench] [profile-host] [open-block] [dense-dtypes]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -96,6 +96,11 @@ for stage in $stages; do
       for dt in ${DENSE_DTYPES:-auto fp8}; do
         bench "dense-$dt" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 128 \
           --kv-cache-dtype "$dt"
+      done ;;
+    open-block)  # dense FP8 32K x max, open blocks in bf16 (OPEN_MODES: model kv) in turn
+      for ob in ${OPEN_MODES:-kv model}; do
+        bench "dense-fp8-open-$ob" --context-lens 32768 --concurrency max --output-lens 32 \
+          --max-num-seqs 128 --kv-cache-dtype fp8 --kv-open-block "$ob"
       done ;;
     fp8-bench)  # bf16 vs FP8 KV: dense 32K x max, and the emulated-host point (64 x 32K, ngram, async)
       for dt in auto fp8; do

@@ -1,5 +1,6 @@
 """Prefill attention shared by every backend: torch SDPA per sequence, causal over the new tokens
-and bottom-right causal over a cached prefix that the backend supplies."""
+and bottom-right causal over a cached prefix that the backend supplies. The step's own tokens are
+attended as computed (never read back from 8-bit storage), whether or not a prefix precedes them."""
 from __future__ import annotations
 
 from typing import Callable
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 
 from oasiskv.engine.forward_batch import ForwardBatch
 
-#: (row in the batch, tokens wanted) -> K, V of that sequence's first tokens as ``[Hk, tokens, D]``
+#: (row in the batch, prefix length) -> K, V of that sequence's cached prefix as
+#: ``[Hk, prefix, D]``
 PrefixFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -19,8 +21,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
     ``[T, Hq, D]``.
 
     A sequence with ``prefix_lens[i] == 0`` attends causally over its fresh K/V; otherwise over
-    ``prefix_kv(i, prefix + n)`` (which must already include this step's tokens) with a mask letting
-    the query at position ``prefix + j`` see keys ``0 .. prefix + j``.
+    ``prefix_kv(i, prefix)`` followed by its fresh K/V, with a mask letting the query at position
+    ``prefix + j`` see keys ``0 .. prefix + j``.
     """
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
@@ -31,7 +33,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
             ki, vi, mask = (k[start:start + n].transpose(0, 1),
                             v[start:start + n].transpose(0, 1), None)
         else:
-            ki, vi = prefix_kv(i, prefix + n)
+            ki, vi = (torch.cat([old, x[start:start + n].transpose(0, 1).to(old.dtype)], 1)
+                      for old, x in zip(prefix_kv(i, prefix), (k, v)))
             pos_q = torch.arange(prefix, prefix + n, device=q.device)
             mask = torch.arange(prefix + n, device=q.device)[None, :] <= pos_q[:, None]
         # Expanded K/V heads (not enable_gqa) keep SDPA on its fused kernels for masked calls too.

@@ -83,6 +83,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="K/V storage (pool, host store, working sets): auto, fp8 or int8")
+    parser.add_argument("--kv-open-block", default="model",
+                        help="dense with 8-bit K/V: each sequence's open block also in the "
+                             "model's dtype (model) or not (kv)")
     parser.add_argument("--summary-dtype", default="auto",
                         help="oasis: block summaries in HBM: auto (as the KV cache), fp8 or "
                              "model (the model's dtype)")
@@ -130,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
         draft=args.draft, prefetch=args.prefetch, guardrail_rate=args.guardrail_rate,
-        summary_dtype=args.summary_dtype)
+        summary_dtype=args.summary_dtype, kv_open_block=args.kv_open_block)
 
 
 def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0) -> LLMEngine:

@@ -95,7 +95,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-len", type=int, default=4096, help="tokens per window")
     parser.add_argument("--last", type=int, default=256,
                         help="decoded (scored) positions at each window's end")
-    parser.add_argument("--topk-blocks", default="16,32,64", help="K values to evaluate")
+    parser.add_argument("--topk-blocks", default="16,32,64",
+                        help="K values to evaluate (empty: dense runs only)")
     parser.add_argument("--fetch-ratio", type=float, default=0.05, help="f_HBM of the capped runs")
     parser.add_argument("--drafts", default="",
                         help="lookahead drafters to compare, e.g. previous,ngram,oracle,"
@@ -111,6 +112,9 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="K/V storage of every run but the reference dense one: auto, fp8 or "
                              "int8 (then a 'dense fp8' or 'dense int8' run is added)")
+    parser.add_argument("--kv-open-block", default="model",
+                        help="with 8-bit KV in the dense runs: model (each sequence's open block "
+                             "also in the model's dtype) or kv (8-bit as every other block)")
     parser.add_argument("--summary-dtype", default="auto",
                         help="block summaries of the tiered runs: auto (as the KV cache), fp8 "
                              "or model (the model's dtype)")
@@ -229,15 +233,16 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
     base["kv_cache_dtype"] = args.kv_cache_dtype
     suffix = "" if args.kv_cache_dtype == "auto" else " " + args.kv_cache_dtype
     if suffix:
-        engine = LLMEngine(**base)
-        runs.append(teacher_forced(engine, wins, args.last, "dense" + suffix))
+        engine = LLMEngine(**base, kv_open_block=args.kv_open_block)
+        opened = " (open block exact)" if args.kv_open_block == "model" else ""
+        runs.append(teacher_forced(engine, wins, args.last, "dense" + suffix + opened))
         _free(engine)
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     base["summary_dtype"] = args.summary_dtype
     if EngineConfig.from_flat(kv_cache_dtype=args.kv_cache_dtype,
                               summary_dtype=args.summary_dtype).fp8_summaries:
         suffix += " fp8-summaries"
-    for k in (int(x) for x in args.topk_blocks.split(",")):
+    for k in (int(x) for x in filter(None, args.topk_blocks.split(","))):
         for ratio in (1.0, args.fetch_ratio):
             engine = LLMEngine(**base, kv_mode="oasis", topk_blocks=k, fetch_ratio=ratio,
                                host_kv_gib=host_gib,

@@ -9,6 +9,11 @@ sequence whose prompt starts with registered blocks takes them (ref count + 1) i
 them. Freed blocks keep their hash until they are handed out again, so a later request can revive
 them. The chain hashes ints only, so every process computes the same chain for the same tokens.
 
+Sequence slots (``num_seq_slots``): a backend that keeps a fixed-size piece of state per running
+sequence (the tiered working sets, the dense pool's open blocks in the model's dtype) has every
+sequence that holds blocks hold one slot too, ``slot_of[seq.seq_id]``, taken with its first blocks
+and given back by ``free``; a sequence is admitted only when a slot is free.
+
 Holds: blocks can also be held outside any block table (``hold_cached`` / ``hold_new``, given back
 with ``release``), while their contents move between engines (``kv/exchange.py``); a held block
 counts one reference, so it is never handed out or evicted.
@@ -26,7 +31,8 @@ from oasiskv.engine.sequence import Sequence
 
 
 class BlockManager(KVAllocator):
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = True,
+                 num_seq_slots: int | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.block_size = block_size
@@ -39,6 +45,9 @@ class BlockManager(KVAllocator):
         self._hashed: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks hashed, last hash)
         self.held: Counter[int] = Counter()  # block -> holds outside block tables
         self.evictions = 0  #: cached blocks handed out again (their prefix forgotten), so far
+        self.num_seq_slots = num_seq_slots
+        self.free_slots: list[int] = list(range((num_seq_slots or 0) - 1, -1, -1))
+        self.slot_of: dict[int, int] = {}  #: seq id -> its sequence slot (with num_seq_slots)
 
     @property
     def num_total_blocks(self) -> int:
@@ -48,21 +57,36 @@ class BlockManager(KVAllocator):
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
+    def needs_slot(self, seq: Sequence) -> bool:
+        """Whether ``seq`` must take a sequence slot before it holds blocks."""
+        return self.num_seq_slots is not None and seq.seq_id not in self.slot_of
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         n = self.blocks_to_add(seq, num_new_tokens)
-        return not n or n <= len(self.free_blocks)
+        needs_slot = self.needs_slot(seq)
+        if not n and not needs_slot:  # (most decode steps: no sequence starts a block)
+            return True
+        return n <= len(self.free_blocks) and (not needs_slot or bool(self.free_slots))
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        needs_slot = self.needs_slot(seq)
+        if needs_slot and not self.free_slots:
+            raise RuntimeError("KV exhausted: no sequence slot left")
         n = self.blocks_to_add(seq, num_new_tokens)
-        if n:  # (most decode steps: no sequence starts a block)
+        if n:
             seq.block_table += self._take_free(n)
+        if needs_slot:
+            self.slot_of[seq.seq_id] = self.free_slots.pop()
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its blocks; those no one references join the end of
-        the free list, its last block first."""
+        the free list, its last block first. Its sequence slot is free again."""
         self._drop(reversed(seq.block_table))
         seq.block_table = []
         self._hashed.pop(seq.seq_id, None)
+        slot = self.slot_of.pop(seq.seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
 
     def reuse_prefix(self, seq: Sequence) -> int:
         """Share registered blocks covering the start of a fresh prompt (never its last token)."""
@@ -123,8 +147,12 @@ class BlockManager(KVAllocator):
 
     def adopt(self, seq: Sequence, blocks: list[int]) -> None:
         assert not seq.block_table, "only a fresh sequence adopts blocks"
+        if self.needs_slot(seq) and not self.free_slots:
+            raise RuntimeError("KV exhausted: no sequence slot left")
         self._unhold(blocks)
         seq.block_table = list(blocks)
+        if self.needs_slot(seq):
+            self.slot_of[seq.seq_id] = self.free_slots.pop()
 
     def register(self, block: int, h: int) -> None:
         """Name a held block's (now complete) contents by chain hash ``h`` (kept if the hash or the
@@ -220,3 +248,8 @@ class BlockManager(KVAllocator):
         free = set(self.free_blocks)
         assert all((self.ref_counts[b] == 0) == (b in free) for b in range(self._num_blocks))
         assert all(self.hash_to_block[h] == b for b, h in self.block_hash.items())
+        if self.num_seq_slots is not None:  # every slot free or owned by one live sequence
+            assert set(self.slot_of) <= {s.seq_id for s in live}
+            slots = list(self.slot_of.values())
+            assert len(slots) == len(set(slots)) and not set(slots) & set(self.free_slots)
+            assert len(slots) + len(self.free_slots) == self.num_seq_slots

@@ -16,10 +16,20 @@ is needed. Cost: 4 bytes per ``head_dim`` bytes (3% at head_dim 128). Scales liv
 in tensors of the same leading shape without the last dimension (a cache ``[N, Hk, B, D]`` has
 scales ``[N, Hk, B]``) and travel with them (the UVA gather copies both).
 
+Open blocks (``kv_open_block=model``): e4m3's flips of the model's top-1 sit mostly in the query's
+own block, the most recent 1-16 tokens (docs/benchmarks.md section 24: keeping those exact takes a
+bf16 model from 1.6-2.2 points of top-1 disagreement with bf16 dense to 0.7-0.8). So beside an
+8-bit pool each running sequence also keeps the block it is writing into ("open") in the model's
+dtype, in a slot of its own (``OpenBlocks``); every token is written to both, and decode reads a
+row's last block from the open one. The pool's copy of the block is complete when the block fills,
+so nothing is converted when a sequence moves to its next block.
+
 This module is the torch side: the dtype, the rounding rule kernels and references share, and
 helpers that check scale tensors and dequantize gathered rows.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -117,3 +127,22 @@ def check_scale(scale: torch.Tensor | None, values: torch.Tensor,
     """``check_scales`` for one tensor of rows ``values`` ``[..., D]`` and its ``scale`` (e.g. a
     block's keys, or FP8 summaries)."""
     return check_scales(None if scale is None else (scale, scale), values, device)[0]
+
+
+@dataclass
+class OpenBlocks:
+    """Each decode row's open block in the model's dtype, beside an 8-bit cache: ``k``, ``v``
+    ``[num_slots, Hk, block_size, D]`` (the cache's layout, one block per sequence slot), ``slots``
+    int32 ``[B]`` the slot of each row (a padding row's: a scratch slot). Row b's last block,
+    ``(context_lens[b] - 1) // block_size``, is read from block ``slots[b]`` of ``k``/``v``."""
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+
+    def check(self, cache: torch.Tensor, batch: int) -> None:
+        """Assert that these open blocks fit ``cache`` ``[N, Hk, block_size, D]`` and ``batch``
+        rows."""
+        for x in (self.k, self.v):
+            assert x.shape[1:] == cache.shape[1:] and x.is_contiguous() and not quantized(
+                x.dtype), f"open blocks {tuple(x.shape)} {x.dtype} do not fit {tuple(cache.shape)}"
+        assert self.slots.shape == (batch,) and self.slots.dtype == torch.int32

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import check_scales, quantized
+from oasiskv.kernels.fp8 import OpenBlocks, check_scales, quantized
 
 _LOG2E = 1.4426950408889634
 #: int8 values convert to fp16 in packed integer operations (inline PTX; not in the interpreter)
@@ -241,6 +241,31 @@ def _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l
 
 
 @triton.jit
+def _attend_open(q, kt, v, valid, acc, acc_norm, m_i, l_i, qk_scale, offs_t,
+                 DOT_PRECISION: tl.constexpr, FP16_DOT: tl.constexpr):
+    """The row's open block (``open_block`` of ``paged_decode_attention``): keys ``kt``
+    ``[HEAD_DIM, BLOCK_SIZE]`` and values ``v`` ``[BLOCK_SIZE, HEAD_DIM]`` in the model's dtype
+    (no scales), ``valid`` its written tokens; updates the running state of the 8-bit tiles
+    (``_attend_tile``) and returns (acc, m_i, l_i). The dots run on float32 inputs at
+    DOT_PRECISION (tf32 holds a 16-bit value and ``_fp16_query``'s fp16 query exactly); the
+    values' weights are divided by the accumulator's unit ``acc_norm`` (FP16_DOT), and the tile's
+    row sums go into the first column of the denominator's per-column state."""
+    s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    if FP16_DOT:
+        l_new = l_i * alpha[:, None] + tl.where(offs_t[None, :] == 0, tl.sum(p, 1)[:, None], 0.0)
+    else:
+        l_new = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p / acc_norm, v.to(tl.float32),
+                                        input_precision=DOT_PRECISION)
+    return acc, m_new, l_new
+
+
+@triton.jit
 def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, o_rows, split, num_splits,
                  num_q_heads, q_heads, g_mask, offs_d, stride_ob, stride_oh,
                  HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
@@ -262,6 +287,7 @@ def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, o_rows,
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
+    open_k_ptr, open_v_ptr, open_slots_ptr,
     out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
     qk_scale, blocks_per_split, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -270,12 +296,14 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MIN_BLOCKS: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
     FP16_DOT: tl.constexpr, INTERPRETED: tl.constexpr, INDEX_AHEAD: tl.constexpr,
+    OPEN: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
 
     ``qk_scale`` is ``scale * log2(e)``: scores live in the log2 domain (``exp2``), partial maxima
     too. Workspace (only read when not DIRECT): m/l ``[B, num_q_heads, num_splits]``, acc
-    ``[..., HEAD_DIM]``.
+    ``[..., HEAD_DIM]``. OPEN (8-bit caches, with INDEX_AHEAD): the row's last block is read from
+    the open-block cache at block ``open_slots[row]`` (``_attend_open``), not from the 8-bit one.
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -298,6 +326,8 @@ def _decode_split_kernel(
 
     ctx_len = tl.load(context_lens_ptr + row)
     ctx_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
+    # the tokens read from the 8-bit cache: with OPEN, those before the last block
+    quant_len = (ctx_blocks - 1) * BLOCK_SIZE if OPEN else ctx_len
     # per row: this row's blocks over all splits, whole tiles, >= MIN_BLOCKS
     if blocks_per_split <= 0:
         per_split = tl.cdiv(tl.cdiv(ctx_blocks, num_splits), BLOCKS_PER_ITER) * BLOCKS_PER_ITER
@@ -322,7 +352,7 @@ def _decode_split_kernel(
     # their pipelined loop more than it saves).
     head_offset = kv_head * stride_sh
     block_id, valid, k_scale, v_scale = _tile_index(
-        bt_row, k_scale_ptr, v_scale_ptr, blk_start, blk_end, ctx_len, tile_blk, tile_off,
+        bt_row, k_scale_ptr, v_scale_ptr, blk_start, blk_end, quant_len, tile_blk, tile_off,
         head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
     last_tile = blk_start + tl.maximum(tl.cdiv(blk_end - blk_start, BLOCKS_PER_ITER) - 1, 0) \
         * BLOCKS_PER_ITER
@@ -336,7 +366,7 @@ def _decode_split_kernel(
                            v_cache_ptr + block_base[:, None] + v_in_block, valid, not INDEX_AHEAD)
         if INDEX_AHEAD:
             next_id, next_valid, next_k_scale, next_v_scale = _tile_index(
-                bt_row, k_scale_ptr, v_scale_ptr, blk0 + BLOCKS_PER_ITER, blk_end, ctx_len,
+                bt_row, k_scale_ptr, v_scale_ptr, blk0 + BLOCKS_PER_ITER, blk_end, quant_len,
                 tile_blk, tile_off, head_offset, stride_sb, BLOCK_SIZE, TILE, QUANT)
         acc, acc_norm, v_max, m_i, l_i = _attend_tile(
             q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
@@ -350,6 +380,16 @@ def _decode_split_kernel(
         acc, acc_norm, v_max, m_i, l_i = _attend_tile(
             q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
             DOT_PRECISION, QUANT, FP16_DOT, INTERPRETED, True)
+    if OPEN and blk_start < blk_end and blk_end == ctx_blocks:  # this split ends the row
+        open_base = tl.load(open_slots_ptr + row).to(tl.int64) * stride_cb
+        offs_b = tl.arange(0, BLOCK_SIZE)
+        open_valid = quant_len + offs_b < ctx_len
+        kt = tl.load(open_k_ptr + open_base + kv_head * stride_ch + offs_b[None, :] * stride_cs
+                     + offs_d[:, None], mask=open_valid[None, :], other=0.0)
+        v = tl.load(open_v_ptr + open_base + kv_head * stride_ch + offs_b[:, None] * stride_cs
+                    + offs_d[None, :], mask=open_valid[:, None], other=0.0)
+        acc, m_i, l_i = _attend_open(q, kt, v, open_valid, acc, acc_norm, m_i, l_i, qk_scale,
+                                     offs_t, DOT_PRECISION, FP16_DOT)
 
     _store_split(_true_acc(acc, acc_norm, FP16_DOT), m_i, _row_denominator(l_i, FP16_DOT), out_ptr,
                  m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits, tl.num_programs(1) * G,
@@ -473,7 +513,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            blocks_per_split: int | None = None,
                            num_splits: int | None = None,
                            scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+                           launch: tuple[int, int, int] | None = None,
+                           open_block: OpenBlocks | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its paged KV cache; returns ``out``.
 
     q: ``[B, num_q_heads, head_dim]`` (last-dim stride 1), num_q_heads = G * num_kv_heads; query
@@ -488,7 +529,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     blocks per split instead. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run as
     tf32 (exact for the 16-bit Q.K products; softmax weights are rounded to tf32 for P.V), with an
     fp32 q or cache as IEEE fp32; an 8-bit cache read by a 16-bit q as in ``fp16_dot``. ``launch``:
-    forces ``launch_config``. No host sync; CUDA-graph capturable.
+    forces ``launch_config``. ``open_block`` (8-bit caches only): each row's last block, the one
+    its tokens are written into, is read from ``open_block``'s caches in the model's dtype
+    (``OpenBlocks``), not from the 8-bit ones. No host sync; CUDA-graph capturable.
     """
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_dim = k_cache.shape
@@ -514,7 +557,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     quant = scales is not None
     tokens, warps, stages = launch_config(launch, quant)
     key = (q.device, q.dtype, k_cache.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
-           tokens, warps, stages)
+           tokens, warps, stages, open_block is not None)
     if blocks_per_split is None:
         num_splits = num_splits or default_num_splits(batch, num_kv_heads, max_blocks, block_size,
                                                       _waves.get(key, _DEFAULT_WAVE))
@@ -528,9 +571,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     workspace = split_workspace(out, num_splits)
     fp32 = torch.float32 in (q.dtype, k_cache.dtype)
     k_scale, v_scale = check_scales(scales, k_cache, q.device)
+    if open_block is not None:
+        assert quant, "an open block in the model's dtype is kept only beside an 8-bit cache"
+        open_block.check(k_cache, batch)
+        open_args = (open_block.k, open_block.v, open_block.slots)
+    else:
+        open_args = (k_cache, v_cache, context_lens)  # (never read)
 
     compiled = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, *open_args,
         out, *workspace,
         scale * _LOG2E, blocks_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -541,7 +590,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct,
         DOT_PRECISION="ieee" if fp32 else "tf32", QUANT=quant,
         FP16_DOT=fp16_dot(q, k_cache), INTERPRETED=not q.is_cuda, INDEX_AHEAD=quant,
-        num_warps=warps, num_stages=stages,
+        OPEN=open_block is not None, num_warps=warps, num_stages=stages,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from oasiskv.kernels.fp8 import as_bytes, dequantize, quantize_rows
+from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, quantize_rows
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,7 +41,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None,
                      blocks_per_split: int | None = None, num_splits: int | None = None,
-                     scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     open_block: OpenBlocks | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache, as ``paged_decode_attention``; returns ``out``.
 
     q: ``[B, num_q_heads, head_dim]``; query head h attends kv head ``h // G``. Caches:
@@ -49,7 +50,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     past a row's ``ceil(context_lens[b] / block_size)`` blocks are never used. context_lens:
     ``[B]``; rows with 0 give zeros. out: optional ``[B, num_q_heads, head_dim]`` target, else a new
     tensor of q's dtype. 8-bit caches come with ``scales`` ``[num_blocks, num_kv_heads,
-    block_size]`` each. blocks_per_split and num_splits are accepted for signature parity and
+    block_size]`` each; with ``open_block`` each row's last block comes from its open block
+    (``OpenBlocks``). blocks_per_split and num_splits are accepted for signature parity and
     ignored.
     """
     batch, num_q_heads, head_dim = q.shape
@@ -69,8 +71,13 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tokens = n_blk * block_size
     # [B, n_blk, H, bs, D] -> [B, H, T, D]
     k, v = (dequantize(cache[ids], None if scales is None else scales[i][ids])
-            .transpose(1, 2).reshape(batch, num_kv_heads, tokens, head_dim)
-            for i, cache in enumerate((k_cache, v_cache)))
+            for i, cache in enumerate((k_cache, v_cache)))  # [B, n_blk, H, bs, D]
+    if open_block is not None:
+        rows = torch.nonzero(lens > 0)[:, 0]
+        last = (lens[rows] - 1) // block_size
+        slots = open_block.slots.long()[rows]
+        k[rows, last], v[rows, last] = open_block.k[slots].float(), open_block.v[slots].float()
+    k, v = (x.transpose(1, 2).reshape(batch, num_kv_heads, tokens, head_dim) for x in (k, v))
     # [B, 1, T, 1]
     valid = (torch.arange(tokens, device=q.device) < lens[:, None])[:, None, :, None]
     k = k.masked_fill(~valid, 0.0)

@@ -3,7 +3,8 @@
 A running sequence holds (a) one working-set slot in HBM (its K + 1 blocks per layer and kv-head,
 a fixed size) and (b) host blocks for every token it has computed (its whole KV, in the host store).
 ``can_allocate`` is true only when both fit, so pinned memory is never over-committed. The block
-table holds host block ids; ``slot_of[seq.seq_id]`` the working-set slot. ``on_free(seq)`` is told
+table holds host block ids; ``slot_of[seq.seq_id]`` the working-set slot (``BlockManager``'s
+sequence slots). ``on_free(seq)`` is told
 whenever a sequence gives everything back (finished, aborted or preempted; its slot still in
 ``slot_of``), so per-sequence state elsewhere in the tier goes with it.
 
@@ -35,13 +36,10 @@ class TieredAllocator(BlockManager):
     def __init__(self, num_host_blocks: int, num_seq_slots: int, block_size: int,
                  on_free: Callable[[Sequence], None] = lambda seq: None,
                  enable_prefix_sharing: bool = True, host: HostCache | None = None):
-        super().__init__(num_host_blocks, block_size, enable_prefix_sharing)
+        super().__init__(num_host_blocks, block_size, enable_prefix_sharing, num_seq_slots)
         self.host = host
         if host is not None:
             host.on_forget = self._forget_hash
-        self.free_slots: list[int] = list(range(num_seq_slots - 1, -1, -1))
-        self.num_seq_slots = num_seq_slots
-        self.slot_of: dict[int, int] = {}  #: seq id -> working-set slot
         self.on_free = on_free
         #: admissions of a new sequence refused, by the budget that refused them (a waiting request
         #: is refused again at every step until it fits); read and reset by the backend
@@ -58,23 +56,8 @@ class TieredAllocator(BlockManager):
             self.refused["working_set_slots" if blocks else "host_blocks"] += 1
         return fits
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        if seq.seq_id not in self.slot_of:
-            if not self.free_slots:
-                raise RuntimeError("tiered KV exhausted: no working-set slot")
-            super().allocate(seq, num_new_tokens)  # raises first when host blocks are short
-            self.slot_of[seq.seq_id] = self.free_slots.pop()
-            return
-        super().allocate(seq, num_new_tokens)
-
     def can_adopt(self) -> bool:
         return bool(self.free_slots)
-
-    def adopt(self, seq: Sequence, blocks: list[int]) -> None:
-        if not self.free_slots:
-            raise RuntimeError("tiered KV exhausted: no working-set slot")
-        super().adopt(seq, blocks)
-        self.slot_of[seq.seq_id] = self.free_slots.pop()
 
     def _take_free(self, n: int, remote: bool = False) -> list[int]:
         blocks = super()._take_free(n)
@@ -103,17 +86,5 @@ class TieredAllocator(BlockManager):
             self._forget_hash(b)
 
     def free(self, seq: Sequence) -> None:
+        self.on_free(seq)  # (its slot still in slot_of)
         super().free(seq)
-        self.on_free(seq)
-        slot = self.slot_of.pop(seq.seq_id, None)
-        if slot is not None:
-            self.free_slots.append(slot)
-
-    def check_invariants(self, live: list[Sequence]) -> None:
-        """Host blocks as ``BlockManager.check_invariants``; every working-set slot is free or
-        owned by exactly one live sequence (tests call this)."""
-        super().check_invariants(live)
-        assert set(self.slot_of) <= {s.seq_id for s in live}
-        slots = list(self.slot_of.values())
-        assert len(slots) == len(set(slots)) and not set(slots) & set(self.free_slots)
-        assert len(slots) + len(self.free_slots) == self.num_seq_slots

@@ -7,15 +7,18 @@ from tests.helpers import eval_prompts, hf_greedy
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_decode_equals_eager(cuda_device, fixtures_path, dtype):
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"),
+                                      ("float32", "fp8"), ("bfloat16", "fp8")])
+def test_cuda_graph_decode_equals_eager(cuda_device, fixtures_path, dtype, kv):
+    """(8-bit K/V: with open blocks, whose slots are the graphs' static inputs.)"""
     target = str(fixtures_path / "target")
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    eager = LLM(target, dtype=dtype, enforce_eager=True, num_kv_blocks=4096, max_model_len=4096)
+    kw = dict(dtype=dtype, num_kv_blocks=4096, max_model_len=4096, kv_cache_dtype=kv)
+    eager = LLM(target, enforce_eager=True, **kw)
     batch = eval_prompts(fixtures_path, eager, 20, 700)
     want = [o.token_ids for o in eager.generate(batch, params)]
     del eager
-    graphs = LLM(target, dtype=dtype, num_kv_blocks=4096, max_model_len=4096, max_graph_batch=32)
+    graphs = LLM(target, max_graph_batch=32, **kw)
     assert graphs.engine.runner.graphs is not None
     got = [o.token_ids for o in graphs.generate(batch, params)]
     same = sum(a == b for a, b in zip(got, want))

@@ -23,7 +23,10 @@ def tiny(request, tmp_path_factory):
 
 
 def dense_tokens(path, batch, params=GREEDY, kv_cache_dtype="auto", **kw):
-    llm = LLM(str(path), num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype, **kw)
+    """Dense decode's tokens; with 8-bit K/V every block read from the 8-bit pool, open blocks
+    too (``kv_open_block=kv``), as the tiered path stores them."""
+    llm = LLM(str(path), num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype, kv_open_block="kv",
+              **kw)
     return [o.token_ids for o in llm.generate(batch, params)]
 
 

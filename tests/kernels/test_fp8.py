@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from oasiskv.kernels.fp8 import FP8, FP8_MAX, INT8, dequantize, quantize_rows
+from oasiskv.kernels.fp8 import FP8, FP8_MAX, INT8, OpenBlocks, dequantize, quantize_rows
 from oasiskv.kernels.block_scores import block_scores
 from oasiskv.kernels.paged_decode import paged_decode_attention
 from oasiskv.kernels.reference import (block_minmax_ref, block_scores_ref, gather_blocks_ref,
@@ -167,6 +167,59 @@ def test_paged_decode_8_bit_ending_on_a_tile_of_zero_value_rows(kv):
     ref = paged_decode_ref(q.float(), kq, vq, tables, ctx, scale, scales=(ks, vs))
     assert got.isfinite().all()
     _close_per_head(got, ref, 4e-3)
+
+
+def _open_case(lens, kv, q_dtype, device="cpu", heads=2, group=2, dim=32, seed=31):
+    """A paged case over 8-bit rows whose rows' last blocks live in open blocks of q's dtype (each
+    row's slot a random one, the pool's copy of those blocks blank, so reading it would give NaN)
+    -> (q, 8-bit k, v, scales, tables, lens, OpenBlocks, the float keys and values attention must
+    see)."""
+    q, k_cache, v_cache, tables, ctx = _case(lens, num_kv_heads=heads, group=group, head_dim=dim,
+                                             block_size=16, dtype=torch.float32, seed=seed)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
+    seen_k, seen_v = dequantize(kq, ks), dequantize(vq, vs)
+    n = len(lens)
+    slots = torch.randperm(n + 2, generator=torch.Generator().manual_seed(seed))[:n].int()
+    open_k, open_v = (torch.full((n + 2, heads, 16, dim), NAN, dtype=q_dtype) for _ in range(2))
+    for row, length in enumerate(lens):
+        if length:
+            last = tables[row, (length - 1) // 16]
+            open_k[slots[row]], open_v[slots[row]] = k_cache[last], v_cache[last]
+            seen_k[last], seen_v[last] = k_cache[last].to(q_dtype), v_cache[last].to(q_dtype)
+            kq[last], vq[last] = blank(kq[last].shape, kv), blank(vq[last].shape, kv)
+            ks[last], vs[last] = NAN, NAN
+    dev = lambda *xs: [x.to(device) for x in xs]  # noqa: E731
+    return (*dev(q.to(q_dtype), kq, vq), tuple(dev(ks, vs)), *dev(tables, ctx),
+            OpenBlocks(*dev(open_k, open_v, slots)), (seen_k, seen_v))
+
+
+@pytest.mark.parametrize("q_dtype,split", [
+    (torch.float32, dict(num_splits=2)), (torch.bfloat16, {}),
+    (torch.bfloat16, dict(blocks_per_split=3)), (torch.bfloat16, dict(num_splits=4))],
+    ids=["fp32", "bf16", "bf16-3-blocks", "bf16-4-splits"])
+@KV_DTYPES
+def test_paged_decode_8_bit_reads_each_rows_last_block_from_its_open_block(q_dtype, split, kv):
+    """With ``open_block`` each row's last block (a partly written one, one block exactly, the last
+    of several tiles) comes from its open block in q's dtype and never from the 8-bit pool (blank
+    there): equal to the reference, and to float64 attention over the dequantized rows with those
+    blocks exact."""
+    lens = [300, 129, 0, 17, 256, 16]
+    q, kq, vq, scales, tables, ctx, opened, (seen_k, seen_v) = _open_case(lens, kv, q_dtype)
+    scale = 1 / math.sqrt(32)
+    got = paged_decode_attention(q, kq, vq, tables, ctx, scale, out=torch.full_like(q, NAN),
+                                 scales=scales, open_block=opened, **split)
+    ref = paged_decode_ref(q.float(), kq, vq, tables, ctx, scale, scales=scales,
+                           open_block=opened)
+    dense = _dense(q.float(), seen_k, seen_v, tables, ctx, scale)
+    assert got.isfinite().all()
+    assert (got[ctx == 0] == 0).all()
+    if q_dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    else:
+        _close_per_head(got, ref, 4e-3)
+    torch.testing.assert_close(ref.double(), dense, rtol=1e-4, atol=1e-4)
+    # without the open blocks the pool's blank copies are read
+    assert paged_decode_ref(q.float(), kq, vq, tables, ctx, scale, scales=scales).isnan().any()
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
@@ -402,6 +455,23 @@ def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_devi
     block_minmax_ref(hk[:, 1], *cpu(blocks, src_head), want, *cpu(src_block, src_head),
                      src_scale=hks[:, 1])
     torch.testing.assert_close(table.cpu(), want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@KV_DTYPES
+def test_paged_decode_with_open_blocks_compiled_at_a_real_shape(cuda_device, kv, q_dtype):
+    """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16): the compiled kernel reads each row's last
+    block from its open block (the pool's copy is blank), equal to the reference on CPU copies."""
+    lens = [3000, 1000, 17, 0, 16, 2048, 129]
+    q, kq, vq, scales, tables, ctx, opened, _ = _open_case(lens, kv, q_dtype, cuda_device,
+                                                          heads=8, group=4, dim=128)
+    scale = 128 ** -0.5
+    got = paged_decode_attention(q, kq, vq, tables, ctx, scale, scales=scales, open_block=opened)
+    ref = paged_decode_ref(*cpu(q.float(), kq, vq, tables, ctx), scale, scales=cpu(*scales),
+                           open_block=OpenBlocks(*cpu(opened.k, opened.v, opened.slots)))
+    assert got.isfinite().all()
+    _close_per_head(got.float().cpu(), ref, 4e-3 if q_dtype == torch.bfloat16 else 1e-4)
 
 
 @pytest.mark.gpu
