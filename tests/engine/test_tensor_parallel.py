@@ -52,6 +52,21 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, arch):
         llm.close()
 
 
+def test_two_ranks_with_fp8_open_blocks_give_one_ranks_tokens(tmp_path):
+    """Dense FP8 with open blocks: each worker rank reads its open blocks from the sequence slots
+    rank 0's allocator gave (``sequence_state``); chunked prefill too."""
+    path = write_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    batch = prompts(5, seed=2)
+    kw = dict(device="cpu", num_kv_blocks=256, kv_cache_dtype="fp8", max_num_batched_tokens=64)
+    want = _tokens(LLM(str(path), **kw), batch)
+    llm = LLM(str(path), tensor_parallel_size=2, **kw)
+    try:
+        assert llm.engine.runner.backend.open_slots > 0
+        assert _tokens(llm, batch) == want
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("arch,draft", [("qwen3", "none"), ("qwen3", "ngram"),
                                         ("qwen3-moe", "ngram")])
 def test_two_ranks_tiered_equal_one_rank_dense_when_k_covers_every_block(tmp_path, arch, draft):
