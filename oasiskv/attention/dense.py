@@ -14,6 +14,7 @@ prefill a prefix's partly written last block. The step's meta is an ``OpenStep``
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,11 +77,8 @@ class DenseBackend(AttentionBackend):
 
     def allocate(self, budget_bytes: int | None) -> None:
         per_block = self.bytes_per_block()
-        open_bytes = 0
-        if self.open_slots:
-            shape = self._open_shape()
-            open_bytes = 2 * self.num_layers * shape[0] * shape[1] * shape[2] * shape[3] \
-                * self.dtype.itemsize
+        open_bytes = (2 * self.num_layers * math.prod(self._open_shape()) * self.dtype.itemsize
+                      if self.open_slots else 0)
         if self.config.num_kv_blocks:
             blocks = self.config.num_kv_blocks
         else:

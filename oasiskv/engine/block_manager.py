@@ -147,11 +147,12 @@ class BlockManager(KVAllocator):
 
     def adopt(self, seq: Sequence, blocks: list[int]) -> None:
         assert not seq.block_table, "only a fresh sequence adopts blocks"
-        if self.needs_slot(seq) and not self.free_slots:
+        needs_slot = self.needs_slot(seq)
+        if needs_slot and not self.free_slots:
             raise RuntimeError("KV exhausted: no sequence slot left")
         self._unhold(blocks)
         seq.block_table = list(blocks)
-        if self.needs_slot(seq):
+        if needs_slot:
             self.slot_of[seq.seq_id] = self.free_slots.pop()
 
     def register(self, block: int, h: int) -> None:

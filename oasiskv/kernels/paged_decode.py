@@ -101,13 +101,25 @@ def _row_denominator(l, FP16_DOT: tl.constexpr):
 
 
 @triton.jit
+def _exp_scores(s, valid, m_i):
+    """Scores ``s`` ``[BLOCK_G, T]`` (log2 domain) of the tokens ``valid`` ``[T]``, against the
+    running maxima ``m_i`` ``[BLOCK_G]`` -> (weights ``p``, the rescale ``alpha`` of what came
+    before, the new maxima); while no valid token has been seen (max -inf) exp2 is kept away from
+    NaN."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return tl.exp2(s - m_use[:, None]), tl.exp2(m_i - m_use), m_new
+
+
+@triton.jit
 def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr,
                   FP16_DOT: tl.constexpr):
     """One tile of online softmax in the log2 domain: scores ``q @ kt`` times each key's
     dequantization scale ``k_scale`` ``[TILE]`` (``[BLOCK_G, TILE]``, -inf where not ``valid``) ->
     (p, alpha, m_new, l_new), ``l_i`` the denominator state of ``_zero_denominator``; the caller
-    rescales its accumulator by alpha and adds the weighted values (``_accumulate``). While no
-    valid token has been seen (m_new = -inf) exp2 is kept away from NaN. FP16_DOT: ``q`` is
+    rescales its accumulator by alpha and adds the weighted values (``_accumulate``). FP16_DOT:
+    ``q`` is
     ``_fp16_query``'s fp16 copy, ``qk_scale`` divided by its shift, and ``kt`` 8-bit: the dot runs
     on fp16 inputs (the 8-bit values convert exactly, ``_to_fp16``; the products are exact in the
     fp32 accumulator); else ``q`` is float32 and the dot runs at DOT_PRECISION."""
@@ -115,12 +127,7 @@ def _softmax_tile(q, kt, k_scale, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.c
         s = tl.dot(q, _to_fp16(kt))
     else:
         s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION)
-    s = s * (qk_scale * k_scale[None, :])
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    p, alpha, m_new = _exp_scores(s * (qk_scale * k_scale[None, :]), valid, m_i)
     if FP16_DOT:
         l_new = l_i * alpha[:, None] + p
     else:
@@ -250,12 +257,8 @@ def _attend_open(q, kt, v, valid, acc, acc_norm, m_i, l_i, qk_scale, offs_t,
     DOT_PRECISION (tf32 holds a 16-bit value and ``_fp16_query``'s fp16 query exactly); the
     values' weights are divided by the accumulator's unit ``acc_norm`` (FP16_DOT), and the tile's
     row sums go into the first column of the denominator's per-column state."""
-    s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision=DOT_PRECISION)
+    p, alpha, m_new = _exp_scores(s * qk_scale, valid, m_i)
     if FP16_DOT:
         l_new = l_i * alpha[:, None] + tl.where(offs_t[None, :] == 0, tl.sum(p, 1)[:, None], 0.0)
     else:
