@@ -298,10 +298,11 @@ class EngineConfig:
                                "auto (the model's dtype), fp8 (e4m3) or int8, with one float32 "
                                "scale per token and kv head (int8 keeps keys closer: "
                                "kernels/fp8.py)")
-    kv_open_block: str = _opt("model", "with an 8-bit KV cache in the dense pool, each running "
-                              "sequence's open block (the one its tokens are written into) is "
-                              "also kept in the model's dtype and decode reads it from there: "
-                              "model, or kv (read it from the 8-bit cache too; kernels/fp8.py)")
+    kv_open_block: str = _opt("model", "with an 8-bit KV cache (dense pool or tiered working "
+                              "sets), each running sequence's open block (the one its tokens are "
+                              "written into) is also kept in the model's dtype and decode reads "
+                              "it from there: model, or kv (read it from the 8-bit cache too; "
+                              "kernels/fp8.py)")
     tier: TierConfig = _opt(TierConfig(), "tiered KV settings (kv_mode=oasis)", cli=False)
 
     def __post_init__(self):

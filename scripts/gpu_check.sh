@@ -72,10 +72,12 @@ for stage in $stages; do
         fi
       done ;;
     oasis-emulated)  # (b): a 700 GiB host emulated over 16 GiB (labelled); summaries stay real: HBM bounds it
+      # (OPEN_BLOCK: --kv-open-block, default model)
       for prefetch in ${EMU_PREFETCH:-async off}; do
         bench "emulated-$prefetch" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
           --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
-          --prefetch "$prefetch" --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE"
+          --prefetch "$prefetch" --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE" \
+          --kv-open-block "${OPEN_BLOCK:-model}"
       done ;;
     compare)  # before/after a change: dense 32K x max (KV_DTYPE) and the emulated-host point (EMU_CONC x
       # 32K, ngram, async, KV_DTYPE, SUMMARY_DTYPE), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C

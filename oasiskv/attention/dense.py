@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from oasiskv.attention.base import AttentionBackend, StepPlan
-from oasiskv.attention.prefill import prefill_attention
+from oasiskv.attention.prefill import open_block_rows, prefill_attention
 from oasiskv.config import EngineConfig
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.forward_batch import ForwardBatch, to_device_many
@@ -117,14 +117,8 @@ class DenseBackend(AttentionBackend):
             return StepPlan()
         slots = [self.allocator.slot_of[s.seq_id] for s in batch.seqs]
         arrays = [(slots, torch.int32)]
-        if batch.is_prefill:  # each token's place in the open blocks: its sequence's last block's
-            bs, rows = self.block_size, []
-            for seq, n, slot in zip(batch.seqs, batch.num_tokens, slots):
-                start = seq.num_computed_tokens
-                last = (start + n - 1) // bs * bs
-                rows += [-1] * (last - start) if last > start else []
-                rows += [slot * bs + p % bs for p in range(max(start, last), start + n)]
-            arrays.append((rows, torch.long))
+        if batch.is_prefill:
+            arrays.append((open_block_rows(batch, slots, self.block_size), torch.long))
         return StepPlan(OpenStep(*to_device_many(arrays, self.device)))
 
     def forward(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from oasiskv.engine.forward_batch import ForwardBatch
+from oasiskv.engine.scheduler import ScheduledBatch
 
 #: (row in the batch, prefix length) -> K, V of that sequence's cached prefix as
 #: ``[Hk, prefix, D]``
@@ -44,3 +45,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
         out[start:start + n] = oi[0].transpose(0, 1)
         start += n
     return out
+
+
+def open_block_rows(batch: ScheduledBatch, slots: list[int], block_size: int) -> list[int]:
+    """Where a prefill step's tokens go in the open blocks (``kernels/fp8.py``), one entry per token
+    of ``batch`` (sequences back to back): ``slots[i] * block_size + offset`` for the tokens in the
+    block that holds sequence i's last token of the step, -1 for the others (their blocks are
+    complete when the step ends, read from the 8-bit storage from then on)."""
+    rows = []
+    for seq, n, slot in zip(batch.seqs, batch.num_tokens, slots):
+        start = seq.num_computed_tokens
+        last = (start + n - 1) // block_size * block_size
+        rows += [-1] * max(0, last - start)
+        rows += [slot * block_size + p % block_size for p in range(max(start, last), start + n)]
+    return rows

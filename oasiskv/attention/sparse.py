@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from oasiskv.attention.base import AttentionBackend, StepPlan, StepStats
-from oasiskv.attention.prefill import prefill_attention
+from oasiskv.attention.prefill import open_block_rows, prefill_attention
 from oasiskv.config import EngineConfig
 from oasiskv.engine.forward_batch import ForwardBatch, to_device_many
 from oasiskv.engine.scheduler import ScheduledBatch
@@ -61,7 +61,7 @@ class SparseBackend(AttentionBackend):
             tier = replace(tier, host_kv_gib=tier.host_kv_gib / ranks)
         self.config, self.device, self.dtype = config, device, dtype
         self.kv = TieredKV(TieredLayout.of(config, cfg, dtype), tier, device,
-                           probes or TierProbes())
+                           probes or TierProbes(), open_blocks=config.kv_open_block == "model")
         self.guardrail = Guardrail(self.kv, tier.guardrail_rate, cfg.num_heads)
         # observers read each step's scores on the host: such an engine never captures graphs
         self.supports_cuda_graphs = not self.kv.probes.observers
@@ -95,7 +95,7 @@ class SparseBackend(AttentionBackend):
         drafter_fixed = drafter.fixed_bytes() if drafter else 0
         summary_bytes = host.num_blocks * lay.summary_bytes_per_block
         taps = self._tap_bytes = self.guardrail.allocate(self.config.max_num_seqs)
-        per_seq = lay.working_set_bytes + drafter_per_seq
+        per_seq = kv.slot_bytes + drafter_per_seq
         fixed = summary_bytes + drafter_fixed + taps
         budget = CPU_HBM_BYTES if budget_bytes is None else budget_bytes
         # one working set more than the slots handed out: the scratch slot of graph padding rows
@@ -114,7 +114,7 @@ class SparseBackend(AttentionBackend):
         logger.info("tiered KV: %d host blocks (%d tokens), %d working-set slots of K=%d blocks "
                     "(%.2f GiB HBM, drafter %.2f GiB), summaries %.2f GiB HBM, fetch cap %d "
                     "blocks/head/layer/step", host.num_blocks, host.num_blocks * lay.block_size,
-                    slots, lay.topk_blocks, slots * lay.working_set_bytes / 2**30,
+                    slots, lay.topk_blocks, slots * kv.slot_bytes / 2**30,
                     (slots * drafter_per_seq + drafter_fixed) / 2**30, summary_bytes / 2**30,
                     kv.cap)
 
@@ -162,10 +162,14 @@ class SparseBackend(AttentionBackend):
         # the rows' working-set slots, then (lookahead) each row's draft row and the row it drafts
         # for: one host-to-device copy
         self.retrieval.begin_step()
-        arrays = [([self.allocator.slot_of[s.seq_id] for s in batch.seqs], torch.int32)]
+        slots = [self.allocator.slot_of[s.seq_id] for s in batch.seqs]
+        arrays = [(slots, torch.int32)]
         plan = StepPlan()
         if batch.is_prefill:
             self.guardrail.pick([], [])
+            if self.kv.open_blocks:
+                arrays.append((open_block_rows(batch, slots, self.kv.layout.block_size),
+                               torch.long))
         else:
             self.kv.now += 1
             self._decode_rows += len(batch)
@@ -188,7 +192,9 @@ class SparseBackend(AttentionBackend):
             step.queries = {i: [] for i, (seq, ends) in enumerate(zip(batch.seqs,
                                                                       batch.ends_prefill))
                             if ends and seq.hand_off}
-        if len(tensors) > 1:
+        if batch.is_prefill and self.kv.open_blocks:
+            step.open_rows = tensors[1]
+        elif len(tensors) > 1:
             step.draft_rows, step.draft_of = tensors[1:]
         return plan
 
@@ -313,7 +319,7 @@ class SparseBackend(AttentionBackend):
             "cap_fill": counters["fetched_blocks"] / max(1, counters["cap_slots"]),
             "host_bytes_in_use": (alloc.num_total_blocks - alloc.num_free_blocks)
             * lay.host_block_bytes,
-            "hbm_bytes_in_use": used_slots * lay.working_set_bytes
+            "hbm_bytes_in_use": used_slots * self.kv.slot_bytes
             + self.kv.host.num_blocks * lay.summary_bytes_per_block + self._tap_bytes}
         return StepStats(counters, gauges, {"fetched_blocks": per_layer["fetched_blocks"]}, samples,
                          failed)

@@ -84,8 +84,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="K/V storage (pool, host store, working sets): auto, fp8 or int8")
     parser.add_argument("--kv-open-block", default="model",
-                        help="dense with 8-bit K/V: each sequence's open block also in the "
-                             "model's dtype (model) or not (kv)")
+                        help="with 8-bit K/V (dense and oasis): each sequence's open block also "
+                             "in the model's dtype (model) or not (kv)")
     parser.add_argument("--summary-dtype", default="auto",
                         help="oasis: block summaries in HBM: auto (as the KV cache), fp8 or "
                              "model (the model's dtype)")

@@ -113,8 +113,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
                         help="K/V storage of every run but the reference dense one: auto, fp8 or "
                              "int8 (then a 'dense fp8' or 'dense int8' run is added)")
     parser.add_argument("--kv-open-block", default="model",
-                        help="with 8-bit KV in the dense runs: model (each sequence's open block "
-                             "also in the model's dtype) or kv (8-bit as every other block)")
+                        help="with 8-bit KV (dense and tiered runs): model (each sequence's open "
+                             "block also in the model's dtype) or kv (8-bit as every other block)")
     parser.add_argument("--summary-dtype", default="auto",
                         help="block summaries of the tiered runs: auto (as the KV cache), fp8 "
                              "or model (the model's dtype)")
@@ -230,13 +230,15 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
     wins = windows(dense, args.text, args.windows, args.window_len)
     runs = [teacher_forced(dense, wins, args.last, "dense")]
     _free(dense)
-    base["kv_cache_dtype"] = args.kv_cache_dtype
+    base |= dict(kv_cache_dtype=args.kv_cache_dtype, kv_open_block=args.kv_open_block)
     suffix = "" if args.kv_cache_dtype == "auto" else " " + args.kv_cache_dtype
     if suffix:
-        engine = LLMEngine(**base, kv_open_block=args.kv_open_block)
-        opened = " (open block exact)" if args.kv_open_block == "model" else ""
-        runs.append(teacher_forced(engine, wins, args.last, "dense" + suffix + opened))
+        engine = LLMEngine(**base)
+        opened = args.kv_open_block == "model"
+        runs.append(teacher_forced(engine, wins, args.last,
+                                   "dense" + suffix + (" (open block exact)" if opened else "")))
         _free(engine)
+        suffix += " open" if opened else ""
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
     base["summary_dtype"] = args.summary_dtype
     if EngineConfig.from_flat(kv_cache_dtype=args.kv_cache_dtype,

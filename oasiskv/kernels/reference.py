@@ -144,7 +144,8 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
                       scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                       draft_rows: torch.Tensor | None = None, extra_k: torch.Tensor | None = None,
                       extra_v: torch.Tensor | None = None,
-                      scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      open_block: OpenBlocks | None = None) -> torch.Tensor:
     """Decode attention over per-head working sets, as ``sparse_decode_attention``; returns
     ``out``.
 
@@ -154,8 +155,9 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     ``ws_map[s, h, j] >= 0`` and the first ``local_lens[n]`` tokens of slot W-1; rows with nothing
     to attend give zeros. draft_rows ``[N]`` (q row of row n's draft, -1 none): a draft row attends
     what its row attends plus its own ``extra_k/extra_v`` ``[Nq, Hk, D]`` entry (nothing for a
-    padding row's draft). 8-bit working sets come with ``scales`` ``[S, Hk, W, B]`` each. num_splits
-    is accepted for signature parity and ignored.
+    padding row's draft). 8-bit working sets come with ``scales`` ``[S, Hk, W, B]`` each; with
+    ``open_block`` row n's local tokens come from its block ``open_block.slots[n]``. num_splits is
+    accepted for signature parity and ignored.
     """
     num_rows, num_q_heads, head_dim = q.shape
     n = seq_slots.shape[0]
@@ -183,8 +185,11 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     valid = (tok_ok & (seq >= 0)[:, None, None, None]).reshape(num_rows, num_kv_heads, tokens)
 
     k, v = (dequantize(ws[rows], None if scales is None else scales[i][rows])
-            .reshape(num_rows, num_kv_heads, tokens, head_dim)
-            for i, ws in enumerate((ws_k, ws_v)))
+            for i, ws in enumerate((ws_k, ws_v)))  # [Nq, Hk, W, B, D]
+    if open_block is not None:
+        opened = open_block.slots.long().clamp(min=0)[owner]
+        k[:, :, -1], v[:, :, -1] = open_block.k[opened].float(), open_block.v[opened].float()
+    k, v = (x.reshape(num_rows, num_kv_heads, tokens, head_dim) for x in (k, v))
     if draft_rows is not None:  # one more token per q row: its own key/value, valid on draft rows
         k = torch.cat([k, extra_k.float()[:, :, None]], dim=2)
         v = torch.cat([v, extra_v.float()[:, :, None]], dim=2)

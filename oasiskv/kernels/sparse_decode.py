@@ -7,7 +7,8 @@ block held by each slot (-1 = empty); heads of one sequence may hold different b
 the *local block* (the sequence's last, still filling block): it is read up to each row's
 ``local_lens`` whatever ``ws_map`` says for it. Slots ``j < W-1`` are read in full when
 ``ws_map >= 0``. Keys carry RoPE already, so the order of the slots does not matter and no positions
-are needed.
+are needed. Beside an 8-bit working set the local block may come from an *open block* in the
+model's dtype instead (``kernels/fp8.py``): the split holding slot W-1 then reads it from there.
 
 Lookahead: a row may carry a *draft row* (the guessed next token), which attends everything its row
 attends plus one extra key/value, its own, passed in directly (it is never written to the working
@@ -30,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import check_scales
-from oasiskv.kernels.paged_decode import (_accumulate, _load_q, _load_scales, _row_denominator,
-                                          _softmax_tile, _fp16_query, _store_split, _true_acc,
-                                          _wave_size, _zero_denominator,
+from oasiskv.kernels.fp8 import OpenBlocks, check_scales
+from oasiskv.kernels.paged_decode import (_accumulate, _attend_open, _load_q, _load_scales,
+                                          _row_denominator, _softmax_tile, _fp16_query,
+                                          _store_split, _true_acc, _wave_size, _zero_denominator,
                                           default_num_splits, fp16_dot, launch_config, merge_splits,
                                           split_workspace)
 
@@ -55,25 +56,28 @@ def _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off):
 @triton.jit
 def _sparse_split_kernel(
     q_ptr, ws_k_ptr, ws_v_ptr, k_scale_ptr, v_scale_ptr, ws_map_ptr, seq_slots_ptr, local_lens_ptr,
-    draft_rows_ptr, extra_k_ptr, extra_v_ptr,
+    draft_rows_ptr, extra_k_ptr, extra_v_ptr, open_k_ptr, open_v_ptr, open_slots_ptr,
     out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
     qk_scale, slots_per_split, num_splits, num_slots, num_q_heads,
     stride_qn, stride_qh, stride_on, stride_oh,
     stride_ks, stride_kh, stride_kw, stride_kt,
     stride_vs, stride_vh, stride_vw, stride_vt,
     stride_ms, stride_mh, stride_xkn, stride_xkh, stride_xvn, stride_xvh,
-    stride_ss, stride_sh, stride_sw,
+    stride_ss, stride_sh, stride_sw, stride_bs, stride_bh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DRAFT: tl.constexpr,
-    QUANT: tl.constexpr, FP16_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+    QUANT: tl.constexpr, FP16_DOT: tl.constexpr, INTERPRETED: tl.constexpr, OPEN: tl.constexpr,
 ):
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` (and, HAS_DRAFT, of
     its draft row ``draft_rows[pid(0)]`` when >= 0, program rows G..2G-1) over the slots of split
     ``pid(2)``.
 
     ``qk_scale`` is ``scale * log2(e)`` (scores in the log2 domain). Workspace (not DIRECT): m/l
-    ``[Nq, Hq, num_splits]``, acc ``[Nq, Hq, num_splits, HEAD_DIM]`` (Nq = rows of q).
+    ``[Nq, Hq, num_splits]``, acc ``[Nq, Hq, num_splits, HEAD_DIM]`` (Nq = rows of q). OPEN (8-bit
+    working sets): the local block is read from block ``open_slots[row]`` of the open blocks
+    ``[*, Hk, BLOCK_SIZE, HEAD_DIM]`` in the model's dtype (``paged_decode._attend_open``), not
+    from slot W-1.
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,6 +108,7 @@ def _sparse_split_kernel(
 
     seq = tl.load(seq_slots_ptr + row)
     local_len = tl.load(local_lens_ptr + row)
+    local_quant = 0 * local_len if OPEN else local_len  # tokens of slot W-1 read from the set
     local_slot = num_slots - 1
     slot_start = split * slots_per_split
     slot_end = tl.minimum(slot_start + slots_per_split, num_slots)
@@ -123,7 +128,7 @@ def _sparse_split_kernel(
     acc_norm, v_max = 1.0, 0.0
     for slot0 in range(slot_start, slot_end, SLOTS_PER_ITER):
         slot = slot0 + tile_slot
-        valid = _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off)
+        valid = _slot_valid(map_row, slot, slot_end, local_slot, local_quant, tile_off)
         slot64 = slot.to(tl.int64)
 
         kt = tl.load(k_head + (slot64 * stride_kw)[None, :] + kt_in_slot, mask=valid[None, :],
@@ -139,6 +144,16 @@ def _sparse_split_kernel(
         acc, acc_norm, v_max = _accumulate(acc, acc_norm, v_max, alpha, p, v_scale, v,
                                            DOT_PRECISION, QUANT, FP16_DOT, INTERPRETED)
         m_i = m_new
+    if OPEN and slot_start <= local_slot and local_slot < slot_end:  # (slot_end: padding rows)
+        open_base = tl.load(open_slots_ptr + row).to(tl.int64) * stride_bs + kv_head * stride_bh
+        offs_b = tl.arange(0, BLOCK_SIZE)
+        open_valid = offs_b < local_len
+        kt = tl.load(open_k_ptr + open_base + offs_b[None, :] * HEAD_DIM + offs_d[:, None],
+                     mask=open_valid[None, :], other=0.0)
+        v = tl.load(open_v_ptr + open_base + offs_b[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=open_valid[:, None], other=0.0)
+        acc, m_i, l_i = _attend_open(q_dot, kt, v, open_valid, acc, acc_norm, m_i, l_i, qk_dot,
+                                     offs_t, DOT_PRECISION, FP16_DOT)
     l_i = _row_denominator(l_i, FP16_DOT)
     acc = _true_acc(acc, acc_norm, FP16_DOT)
 
@@ -173,8 +188,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
                             num_splits: int | None = None, draft_rows: torch.Tensor | None = None,
                             extra_k: torch.Tensor | None = None,
                             extra_v: torch.Tensor | None = None,
-                            scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                            ) -> torch.Tensor:
+                            scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            open_block: OpenBlocks | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its sequence's working set; returns
     ``out``.
 
@@ -200,8 +215,10 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     in ``paged_decode.fp16_dot`` for an 8-bit working set read by a 16-bit q. An 8-bit working
     set (``float8_e4m3fn`` or ``int8``) comes with ``scales``: float32 ``(k_scale, v_scale)``
     ``[S, Hk, W, B]`` (last-dim stride 1, the same strides), one per stored row
-    (``kernels/fp8.py``); the draft rows' own K/V are unscaled. No host sync; CUDA-graph
-    capturable (grid and workspace depend on shapes only).
+    (``kernels/fp8.py``); the draft rows' own K/V are unscaled. ``open_block`` (8-bit working
+    sets only): row n's local tokens are read from block ``open_block.slots[n]`` of its caches
+    ``[*, Hk, B, D]`` in the model's dtype (``OpenBlocks``), not from slot W-1 (never read then).
+    No host sync; CUDA-graph capturable (grid and workspace depend on shapes only).
     """
     num_rows, num_q_heads, head_dim = q.shape
     n = seq_slots.shape[0]
@@ -240,7 +257,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
 
     tokens, warps, stages = launch_config()
     slots_per_iter = max(1, tokens // block_size)
-    key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft)
+    key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft,
+           open_block is not None)
     if num_splits is None:
         num_splits = default_num_splits(n, num_kv_heads, num_slots, block_size,
                                         _waves.get(key, _DEFAULT_WAVE))
@@ -253,10 +271,16 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     fp32 = torch.float32 in (q.dtype, ws_k.dtype)
     k_scale, v_scale = check_scales(scales, ws_k, q.device)
     assert k_scale.stride() == v_scale.stride()
+    if open_block is not None:
+        assert scales is not None, "open blocks are kept only beside an 8-bit working set"
+        open_block.check(ws_k[:, :, 0], n)
+        open_args = (open_block.k, open_block.v, open_block.slots)
+    else:
+        open_args = (ws_k, ws_v, seq_slots)  # (never read)
 
     compiled = _sparse_split_kernel[(n, num_kv_heads, num_splits)](
         q, ws_k, ws_v, k_scale, v_scale, ws_map, seq_slots, local_lens, draft_rows, extra_k,
-        extra_v,
+        extra_v, *open_args,
         out, *workspace,
         scale * _LOG2E, slots_per_split, num_splits, num_slots, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -265,12 +289,13 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
         ws_map.stride(0), ws_map.stride(1),
         extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        open_args[0].stride(0), open_args[0].stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group * (2 if has_draft else 1))),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32", HAS_DRAFT=has_draft,
         QUANT=scales is not None, FP16_DOT=fp16_dot(q, ws_k), INTERPRETED=not q.is_cuda,
-        num_warps=warps, num_stages=stages,
+        OPEN=open_block is not None, num_warps=warps, num_stages=stages,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE

@@ -5,7 +5,8 @@ slice of B*D elements is contiguous: the unit copied to HBM). Working set, per l
 ``[num_seq_slots, Hk, W, B, D]`` with W = K + 1 (slot W-1 is the local block). 8-bit storage adds
 float32 scales of the same shapes without D (``kernels/fp8.py``). Summaries, per layer:
 ``[num_host_blocks, Hk, 2, D]`` (element-wise max, then min, of a block's post-RoPE keys; FP8 with
-a scale per row).
+a scale per row). Beside 8-bit working sets, open blocks: per layer and K/V ``[num_seq_slots, Hk, B,
+D]`` in the model's dtype (``open_block_bytes``).
 """
 from __future__ import annotations
 
@@ -68,6 +69,13 @@ class TieredLayout:
     def working_set_bytes(self) -> int:
         """HBM one sequence's working sets take (all layers, K and V)."""
         return 2 * self.num_layers * self.num_kv_heads * self.slots * self.slice_bytes
+
+    @property
+    def open_block_bytes(self) -> int:
+        """HBM one sequence's open blocks take where they are kept beside 8-bit working sets (all
+        layers, K and V, in the model's dtype; ``kernels/fp8.py``)."""
+        return (2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim
+                * self.dtype.itemsize)
 
     @property
     def summary_bytes_per_block(self) -> int:

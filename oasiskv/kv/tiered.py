@@ -26,7 +26,7 @@ from oasiskv.attention.prefill import prefill_attention
 from oasiskv.config import TierConfig
 from oasiskv.engine.forward_batch import ForwardBatch
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import dequantize, empty_kv
+from oasiskv.kernels.fp8 import dequantize, empty_kv, quantized
 from oasiskv.kv.counters import DeviceCounters
 from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.host_store import HostStore
@@ -52,6 +52,9 @@ class TierStep:
     draft_rows: torch.Tensor | None = None
     draft_of: torch.Tensor | None = None
     aux: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: prefill steps with open blocks: int64 ``[T]`` each token's row in them
+    #: (``attention.prefill.open_block_rows``)
+    open_rows: torch.Tensor | None = None
     #: set at the forward's first layer: host slots of the step's tokens, and a decode step's rows
     host_slots: torch.Tensor | None = None
     rows: DecodeRows | None = None
@@ -103,9 +106,13 @@ def configured_host_blocks(tier: TierConfig, layout: TieredLayout) -> int:
 
 
 class TieredKV:
+    """``open_blocks``: beside 8-bit storage, keep each sequence's local block in the model's dtype
+    too and attend it from there (``WorkingSet``; ``kv_open_block=model``)."""
+
     def __init__(self, layout: TieredLayout, config: TierConfig, device: torch.device,
-                 probes: TierProbes):
+                 probes: TierProbes, open_blocks: bool = False):
         self.layout, self.config, self.device, self.probes = layout, config, device, probes
+        self.open_blocks = open_blocks and quantized(layout.storage_dtype)
         self.cap = layout.fetch_cap(config.fetch_ratio)
         self.host: HostStore | None = None
         self.summaries: SummaryStore | None = None
@@ -160,7 +167,13 @@ class TieredKV:
         self.host = host
         self.summaries = SummaryStore(self.layout, host.num_blocks, self.device,
                                       self.config.score_alpha)
-        self.ws = WorkingSet(self.layout, num_slots, self.device)
+        self.ws = WorkingSet(self.layout, num_slots, self.device, self.open_blocks)
+
+    @property
+    def slot_bytes(self) -> int:
+        """HBM one sequence slot takes: its working sets, and its open blocks where kept."""
+        lay = self.layout
+        return lay.working_set_bytes + (lay.open_block_bytes if self.open_blocks else 0)
 
     # ---- prefill ---------------------------------------------------------------------------------
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -171,11 +184,15 @@ class TieredKV:
         self._store(k, v, host_k, host_v, host_slots, scales=self.host.layer_scales(layer))
 
     def prefill(self, layer: int, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Dense attention over each sequence's prompt (a chunk's prefix read from the host store),
-        summaries of the blocks the step completed, and seeding where the step ends a prefill."""
+        """Dense attention over each sequence's prompt (a chunk's prefix read from the host store,
+        a partly written last block of it from its open block where kept), summaries of the blocks
+        the step completed, and seeding where the step ends a prefill. The step's tokens go into
+        the open blocks after attention (a chunk may reuse the slot its prefix's block is in)."""
         B, step = self.layout.block_size, batch.meta
         out = prefill_attention(q, k, v, batch, scale,
-                                lambda i, n: self.host_kv(layer, batch.block_tables[i], n))
+                                lambda i, n: self._prefix(layer, batch, i, n))
+        if self.open_blocks:
+            self._store(k, v, self.ws.open_k[layer], self.ws.open_v[layer], step.open_rows)
         end = 0
         for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
             end += n
@@ -186,6 +203,17 @@ class TieredKV:
                 if i in step.queries:  # (a prompt handed off: its query at every layer)
                     step.queries[i].append(q[end - 1].float())
         return out
+
+    def _prefix(self, layer: int, batch: ForwardBatch, i: int, length: int):
+        """Prefill row ``i``'s cached prefix of ``length`` tokens (``host_kv``), its partly written
+        last block from the sequence's open block where those are kept."""
+        k, v = self.host_kv(layer, batch.block_tables[i], length)
+        part = length % self.layout.block_size
+        if self.open_blocks and part:
+            slot = batch.meta.slots[i].long()
+            k[:, length - part:] = self.ws.open_k[layer][slot, :, :part]
+            v[:, length - part:] = self.ws.open_v[layer][slot, :, :part]
+        return k, v
 
     def host_kv(self, layer: int, table: torch.Tensor, length: int):
         """K, V at ``layer`` of a sequence's first ``length`` tokens, ``[Hk, length, D]`` in the
@@ -266,6 +294,7 @@ class TieredKV:
                                            partial=True)
         for layer, items in enumerate(copies):
             self.ws.gather(layer, self.host, items, resident=self.host.evicts)
+            self.ws.open_from_local(layer, slot)
 
     # ---- decode ----------------------------------------------------------------------------------
     def decode_rows(self, slots: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
@@ -288,19 +317,22 @@ class TieredKV:
             now=self.now.clone())
 
     def store_local(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: DecodeRows) -> None:
-        """Append each row's new K/V ``[N, Hk, D]`` to its local block."""
+        """Append each row's new K/V ``[N, Hk, D]`` to its local block (and its open block)."""
         local_k, local_v = self.ws.local(layer)
         self._store(k, v, local_k, local_v, rows.local_index, scales=self.ws.local_scales(layer))
+        if self.open_blocks:
+            self._store(k, v, self.ws.open_k[layer], self.ws.open_v[layer], rows.local_index)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: TierStep, scale: float) -> torch.Tensor:
-        """Sparse attention of q ``[T, Hq, D]`` over each row's working set and local block; draft
-        rows (``step.draft_rows``) see their row's too, plus the row's and their own K/V
-        (``k``/``v`` ``[T, Hk, D]``), never stored."""
+        """Sparse attention of q ``[T, Hq, D]`` over each row's working set and local block (its
+        open block where kept); draft rows (``step.draft_rows``) see their row's too, plus the
+        row's and their own K/V (``k``/``v`` ``[T, Hk, D]``), never stored."""
         extra = ({} if step.draft_rows is None
                  else dict(draft_rows=step.draft_rows, extra_k=k, extra_v=v))
         return self._attend(q, self.ws.k[layer], self.ws.v[layer], self.ws.map[layer], step.slots,
-                            step.rows.local_lens, scale, scales=self.ws.scales[layer], **extra)
+                            step.rows.local_lens, scale, scales=self.ws.scales[layer],
+                            open_block=self.ws.opened(layer, step.slots), **extra)
 
     def complete_local_blocks(self, layer: int, rows: DecodeRows) -> None:
         """Rows whose local block just filled: summarise it and move it into the working set."""

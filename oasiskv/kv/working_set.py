@@ -7,6 +7,11 @@ the local slot's entry stays -1: its length comes from the sequence's position),
 ``[S, Hk, K]`` the step each slot was last selected (the LRU key). Heads of one layer hold different
 blocks.
 
+Open blocks (8-bit storage with ``open_blocks``): per layer also ``open_k``/``open_v``
+``[S, Hk, B, D]`` in the model's dtype, each sequence slot's local block as computed
+(``kernels/fp8.py``); the local slot W-1 keeps its 8-bit copy too (summaries and ``promote_local``
+read that), decode attention reads the open one.
+
 Invariants: a slot's contents are readable only after the copy that filled it (on one stream, stream
 order guarantees it); a logical block appears at most once per (sequence, layer, head).
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import empty_kv
+from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, empty_kv
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 
@@ -27,7 +32,8 @@ _GATHER_GRID = {False: (8, 4), True: (16, 8)}
 
 
 class WorkingSet:
-    def __init__(self, layout: TieredLayout, num_slots: int, device: torch.device):
+    def __init__(self, layout: TieredLayout, num_slots: int, device: torch.device,
+                 open_blocks: bool = False):
         self.layout, self.num_slots = layout, num_slots
         L, H, W, B, D = (layout.num_layers, layout.num_kv_heads, layout.slots, layout.block_size,
                          layout.head_dim)
@@ -41,6 +47,10 @@ class WorkingSet:
         self.last = [torch.zeros((num_slots, H, layout.topk_blocks), dtype=torch.long,
                                  device=device)
                      for _ in range(L)]
+        open_shape = (num_slots, H, B, D)
+        #: per layer ``[S, Hk, B, D]`` in the model's dtype (empty lists: none kept)
+        self.open_k, self.open_v = ([torch.zeros(open_shape, dtype=layout.dtype, device=device)
+                                     for _ in range(L if open_blocks else 0)] for _ in range(2))
         self._heads = torch.arange(H, device=device)
         self._gather = kernel("gather_blocks", device.type == "cuda")
         self._select = kernel("select_blocks", device.type == "cuda")
@@ -55,6 +65,22 @@ class WorkingSet:
         """Views ``[S, Hk, B]`` of the local blocks' row scales (8-bit), else None."""
         scales = self.scales[layer]
         return None if scales is None else tuple(s[:, :, self.layout.local_slot] for s in scales)
+
+    def opened(self, layer: int, slots: torch.Tensor) -> OpenBlocks | None:
+        """The open blocks of rows in sequence slots ``slots`` (int32 ``[N]``) at ``layer``, for
+        sparse decode; None where none are kept."""
+        return OpenBlocks(self.open_k[layer], self.open_v[layer], slots) if self.open_k else None
+
+    def open_from_local(self, layer: int, slots: torch.Tensor) -> None:
+        """Fill the open blocks of ``slots`` ``[N]`` with their local blocks' 8-bit rows,
+        dequantized (a sequence seeded from a host store: its local block as computed is not
+        here)."""
+        if self.open_k:
+            slots = slots.long()
+            for opened, local, scale in zip((self.open_k, self.open_v), self.local(layer),
+                                            self.local_scales(layer)):
+                rows = as_bytes(local)[slots].view(local.dtype)
+                opened[layer][slots] = dequantize(rows, scale[slots]).to(opened[layer].dtype)
 
     def reset(self, layer: int, slots: torch.Tensor) -> None:
         """Forget what ``slots`` held at ``layer`` (a sequence is being seeded)."""

@@ -23,34 +23,39 @@ def tiny(request, tmp_path_factory):
 
 
 def dense_tokens(path, batch, params=GREEDY, kv_cache_dtype="auto", **kw):
-    """Dense decode's tokens; with 8-bit K/V every block read from the 8-bit pool, open blocks
-    too (``kv_open_block=kv``), as the tiered path stores them."""
-    llm = LLM(str(path), num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype, kv_open_block="kv",
-              **kw)
+    """Dense decode's tokens (with 8-bit K/V, ``kv_open_block`` as for the tiered engine it is
+    compared with: the two store and read the same rows)."""
+    llm = LLM(str(path), num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype, **kw)
     return [o.token_ids for o in llm.generate(batch, params)]
 
 
 @pytest.mark.parametrize("engine_kw", [
     dict(),
-    # chunked prefill: later chunks read their prefix from the host store
-    dict(max_num_batched_tokens=48),
+    # chunked prefill: later chunks read their prefix from the host store (40: a prefix that
+    # ends inside a block)
+    dict(max_num_batched_tokens=48), dict(max_num_batched_tokens=40),
     # host store too small for all at once: queueing + preemption
     dict(host_kv_gib=0.0004, max_num_seqs=8),
     # FP8 summaries (with FP8 K/V: summaries in the model's dtype): scores change, the selection of
     # every block does not
     dict(summary_dtype="fp8"), dict(summary_dtype="model"),
-], ids=["plain", "chunked-prefill", "tight-host-store", "fp8-summaries", "model-summaries"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
-def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw, kv_cache_dtype):
-    """8-bit KV: the host store, working sets and dense pool quantise every row the same way, so
-    tiered decode equals dense decode in the same storage (chunked the same way: a later chunk
-    reads its prefix quantised) token for token."""
+], ids=["plain", "chunked-prefill", "chunks-mid-block", "tight-host-store", "fp8-summaries",
+        "model-summaries"])
+@pytest.mark.parametrize("kv_cache_dtype,open_block", [
+    ("auto", "model"), ("fp8", "model"), ("fp8", "kv"), ("int8", "model")])
+def test_oasis_equals_dense_when_k_covers_every_block(tiny, engine_kw, kv_cache_dtype,
+                                                      open_block):
+    """8-bit KV: the host store, working sets and dense pool quantise every row the same way, and
+    with open blocks both keep each sequence's last block exact, so tiered decode equals dense
+    decode in the same storage (chunked the same way: a later chunk reads its prefix quantised,
+    a partly written last block of it exact) token for token."""
     batch = prompts(5, seed=1)
     kw = dict(kv_mode="oasis", topk_blocks=64, fetch_ratio=1.0, host_kv_gib=0.01,
-              kv_cache_dtype=kv_cache_dtype) | engine_kw
+              kv_cache_dtype=kv_cache_dtype, kv_open_block=open_block) | engine_kw
     llm = LLM(str(tiny), **kw)
     chunk = {k: v for k, v in engine_kw.items() if k == "max_num_batched_tokens"}
-    want = dense_tokens(tiny, batch, kv_cache_dtype=kv_cache_dtype, **chunk)
+    want = dense_tokens(tiny, batch, kv_cache_dtype=kv_cache_dtype, kv_open_block=open_block,
+                        **chunk)
     assert [o.token_ids for o in llm.generate(batch, GREEDY)] == want
     alloc = llm.engine.allocator
     alloc.check_invariants([])

@@ -249,6 +249,69 @@ def test_sparse_decode_8_bit_equals_reference(with_draft, kv):
     torch.testing.assert_close(ref.double(), dense, rtol=1e-4, atol=1e-4)
 
 
+def _sparse_open_case(kv, q_dtype, device="cpu", heads=2, group=2, dim=32, num_slots=5, seed=41):
+    """A working-set case (``ROWS``) over 8-bit slots whose local blocks live in open blocks of q's
+    dtype (each sequence's a random one; slot W-1 of the 8-bit set blank, so reading it gives NaN),
+    with a draft row for rows 0 and 4 -> (q, 8-bit k, v, scales, ws_map, seq_slots, local_lens,
+    OpenBlocks, draft kwargs, the float working sets attention must see)."""
+    q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
+        ROWS, num_kv_heads=heads, group=group, head_dim=dim, dtype=torch.float32,
+        num_slots=num_slots, seed=seed)
+    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized(ws_v, kv)
+    seen_k, seen_v = dequantize(kq, ks), dequantize(vq, vs)
+    seqs = ws_k.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    of_seq = torch.randperm(seqs + 2, generator=gen)[:seqs].int()
+    open_k, open_v = (torch.full((seqs + 2, heads, 16, dim), NAN, dtype=q_dtype) for _ in range(2))
+    local_k, local_v = ws_k[:, :, -1].to(q_dtype), ws_v[:, :, -1].to(q_dtype)
+    open_k[of_seq.long()], open_v[of_seq.long()] = local_k, local_v
+    seen_k[:, :, -1], seen_v[:, :, -1] = local_k, local_v
+    kq[:, :, -1], vq[:, :, -1] = blank(kq[:, :, -1].shape, kv), blank(vq[:, :, -1].shape, kv)
+    ks[:, :, -1], vs[:, :, -1] = NAN, NAN
+    n = len(ROWS)
+    slots = of_seq[seq_slots.clamp(min=0).long()]
+    q = torch.cat([q, torch.randn(2, q.shape[1], dim, generator=gen)])
+    draft = dict(draft_rows=torch.tensor([n, -1, -1, -1, n + 1, -1], dtype=torch.int32),
+                 extra_k=torch.randn(n + 2, heads, dim, generator=gen).to(q_dtype),
+                 extra_v=torch.randn(n + 2, heads, dim, generator=gen).to(q_dtype))
+    dev = lambda *xs: [x.to(device) for x in xs]  # noqa: E731
+    return (*dev(q.to(q_dtype), kq, vq), tuple(dev(ks, vs)), *dev(ws_map, seq_slots, local_lens),
+            OpenBlocks(*dev(open_k, open_v, slots)),
+            {k: x.to(device) for k, x in draft.items()}, (seen_k, seen_v))
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@KV_DTYPES
+def test_sparse_decode_8_bit_reads_each_rows_local_block_from_its_open_block(with_draft, q_dtype,
+                                                                             kv):
+    """With ``open_block`` each row's local tokens come from its sequence's open block in q's dtype
+    and never from slot W-1 of the 8-bit working set (blank there): equal to the reference, and
+    to float64 attention over the dequantized slots with the local blocks exact."""
+    q, kq, vq, scales, ws_map, seq_slots, local_lens, opened, draft, (seen_k, seen_v) = \
+        _sparse_open_case(kv, q_dtype)
+    if not with_draft:
+        q, draft = q[:len(ROWS)], {}
+    scale = 1 / math.sqrt(32)
+    got = sparse_decode_attention(q, kq, vq, ws_map, seq_slots, local_lens, scale, num_splits=2,
+                                  out=torch.full_like(q, NAN), scales=scales, open_block=opened,
+                                  **draft)
+    fdraft = {k: x.float() if x.is_floating_point() else x for k, x in draft.items()}
+    ref = sparse_decode_ref(q.float(), kq, vq, ws_map, seq_slots, local_lens, scale,
+                            scales=scales, open_block=opened, **fdraft)
+    dense = _dense_sparse(q.float(), seen_k, seen_v, ws_map, seq_slots, local_lens, scale,
+                          **fdraft)
+    assert got.isfinite().all()
+    if q_dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    else:
+        _close_per_head(got, ref, 4e-3)
+    torch.testing.assert_close(ref.double(), dense, rtol=1e-4, atol=1e-4)
+    # without the open blocks the set's blank local slots are read
+    assert sparse_decode_ref(q.float(), kq, vq, ws_map, seq_slots, local_lens, scale,
+                             scales=scales, **fdraft).isnan().any()
+
+
 @pytest.mark.parametrize("q_dtype,q_gain,v_spread", [
     (torch.bfloat16, 1.0, 0), (torch.float16, 1.0, 0), (torch.bfloat16, 3e5, 0),
     (torch.bfloat16, 1.0, 4)])
@@ -460,9 +523,10 @@ def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_devi
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 @KV_DTYPES
-def test_paged_decode_with_open_blocks_compiled_at_a_real_shape(cuda_device, kv, q_dtype):
-    """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16): the compiled kernel reads each row's last
-    block from its open block (the pool's copy is blank), equal to the reference on CPU copies."""
+def test_decode_with_open_blocks_compiled_at_a_real_shape(cuda_device, kv, q_dtype):
+    """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16): the compiled paged kernel reads each row's
+    last block from its open block (the pool's copy is blank), the sparse one each row's local
+    block (slot W-1 blank), equal to the references on CPU copies."""
     lens = [3000, 1000, 17, 0, 16, 2048, 129]
     q, kq, vq, scales, tables, ctx, opened, _ = _open_case(lens, kv, q_dtype, cuda_device,
                                                           heads=8, group=4, dim=128)
@@ -471,7 +535,20 @@ def test_paged_decode_with_open_blocks_compiled_at_a_real_shape(cuda_device, kv,
     ref = paged_decode_ref(*cpu(q.float(), kq, vq, tables, ctx), scale, scales=cpu(*scales),
                            open_block=OpenBlocks(*cpu(opened.k, opened.v, opened.slots)))
     assert got.isfinite().all()
-    _close_per_head(got.float().cpu(), ref, 4e-3 if q_dtype == torch.bfloat16 else 1e-4)
+    tol = 4e-3 if q_dtype == torch.bfloat16 else 1e-4
+    _close_per_head(got.float().cpu(), ref, tol)
+    # sparse decode: each row's local block from its open block (slot W-1 blank), with drafts
+    q, kq, vq, scales, ws_map, seq_slots, local_lens, opened, draft, _ = _sparse_open_case(
+        kv, q_dtype, cuda_device, heads=8, group=4, dim=128, num_slots=9)
+    got = sparse_decode_attention(q, kq, vq, ws_map, seq_slots, local_lens, scale, scales=scales,
+                                  open_block=opened, **draft)
+    ref = sparse_decode_ref(*cpu(q.float(), kq, vq, ws_map, seq_slots, local_lens), scale,
+                            scales=cpu(*scales),
+                            open_block=OpenBlocks(*cpu(opened.k, opened.v, opened.slots)),
+                            **{k: x.cpu().float() if x.is_floating_point() else x.cpu()
+                               for k, x in draft.items()})
+    assert got.isfinite().all()
+    _close_per_head(got.float().cpu(), ref, tol)
 
 
 @pytest.mark.gpu
