@@ -4,6 +4,7 @@ from where they came from decodes the tokens of the same engine that keeps them 
 bookkeeping keeps its invariants under random use. The remote tier here copies from another
 engine's host store in this process (the NIXL transport has its own tests, and the server tests run
 the two together)."""
+import json
 import random
 import time
 
@@ -74,6 +75,34 @@ def test_a_handed_off_prompt_decodes_the_tokens_of_the_engine_that_prefilled_it(
     assert host.reader.layer_units > 0 and host.stats.misses > 0
     assert sorted(run.idle) == [0, 1, 2] and not host.where and not run.held
     host.check_invariants()
+
+
+def test_a_handed_off_prompt_with_8_bit_kv_opens_its_local_block_dequantized(tiny, monkeypatch):
+    """Partial admission with FP8 K/V and open blocks: the decode engine has only the 8-bit copy
+    of a prompt's last, partly written block, so at seeding its open block (what decode attends)
+    becomes those rows dequantized, at every layer, and decode goes on from there."""
+    from oasiskv.kernels.fp8 import as_bytes, dequantize
+    from oasiskv.kv.working_set import WorkingSet
+    opened, real = [], WorkingSet.open_from_local
+
+    def spy(ws, layer, slots):
+        real(ws, layer, slots)
+        slot = slots.long()
+        for open_rows, local, scale in zip((ws.open_k, ws.open_v), ws.local(layer),
+                                           ws.local_scales(layer)):
+            rows = as_bytes(local)[slot].view(local.dtype)
+            want = dequantize(rows, scale[slot]).to(open_rows[layer].dtype)
+            assert torch.equal(open_rows[layer][slot], want)
+        opened.append((layer, int(slot[0]), float(ws.open_k[layer][slot].abs().sum())))
+    monkeypatch.setattr(WorkingSet, "open_from_local", spy)
+    batch = prompts(2, lo=500, hi=700, seed=21)
+    batch = [ids[:16 * 30 + 5] for ids in batch]  # 5 tokens in the last block
+    run = decode_imported(str(tiny), batch, GREEDY, 0.25, partial=True, kv_cache_dtype="fp8",
+                          **TIER)
+    layers = json.loads((tiny / "config.json").read_text())["num_hidden_layers"]
+    assert len(opened) == 2 * layers and all(total > 0 for _, _, total in opened)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == GREEDY.max_tokens
+               for o in run.outputs)
 
 
 def test_a_lost_remote_tier_ends_only_the_requests_whose_blocks_it_held(tiny):
