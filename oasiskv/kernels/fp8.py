@@ -19,9 +19,9 @@ scales ``[N, Hk, B]``) and travel with them (the UVA gather copies both).
 Open blocks (``kv_open_block=model``): e4m3's flips of the model's top-1 sit mostly in the query's
 own block, the most recent 1-16 tokens (docs/benchmarks.md section 24: keeping those exact takes a
 bf16 model from 1.6-2.2 points of top-1 disagreement with bf16 dense to 0.7-0.8). So beside an
-8-bit pool each running sequence also keeps the block it is writing into ("open") in the model's
-dtype, in a slot of its own (``OpenBlocks``); every token is written to both, and decode reads a
-row's last block from the open one. The pool's copy of the block is complete when the block fills,
+8-bit pool or 8-bit working sets each running sequence also keeps the block it is writing into
+("open") in the model's dtype, in a slot of its own (``OpenBlocks``); every token is written to
+both, and decode (paged or sparse) reads a row's last block from the open one. The pool's copy of the block is complete when the block fills,
 so nothing is converted when a sequence moves to its next block.
 
 This module is the torch side: the dtype, the rounding rule kernels and references share, and
