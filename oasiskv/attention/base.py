@@ -154,3 +154,21 @@ class AttentionBackend(ABC):
         """Fill ``bucket``'s static meta from the step's ``meta`` (``num_seqs`` real rows, the rest
         padding) before its replay; False declines the replay (the step runs eagerly)."""
         return True
+
+
+class SlotBackend(AttentionBackend):
+    """A backend whose allocator (``BlockManager``, ``allocator``) gives running sequences slots
+    (``slot_of``) that its storage is indexed by: under tensor parallelism rank 0's slot of a
+    sequence is its state, and a worker rank's allocator keeps it until rank 0 drops the
+    sequence. (Without slots ``slot_of`` stays empty: there is no state.)"""
+    allocator: Any = None
+
+    def sequence_state(self, seq: Sequence) -> int | None:
+        return self.allocator.slot_of.get(seq.seq_id)
+
+    def adopt_sequence(self, seq: Sequence, slot: int | None) -> None:
+        if slot is not None:
+            self.allocator.slot_of[seq.seq_id] = slot
+
+    def drop_sequence(self, seq: Sequence) -> None:
+        self.allocator.slot_of.pop(seq.seq_id, None)

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.attention.base import AttentionBackend, StepPlan
+from oasiskv.attention.base import SlotBackend, StepPlan
 from oasiskv.attention.prefill import open_block_rows, prefill_attention
 from oasiskv.config import EngineConfig
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.forward_batch import ForwardBatch, to_device_many
 from oasiskv.engine.scheduler import ScheduledBatch
-from oasiskv.engine.sequence import Sequence
 from oasiskv.kernels.dispatch import kernel
 from oasiskv.kernels.fp8 import (OpenBlocks, as_bytes, dequantize, empty_kv, quantized, row_bytes,
                                  storage_dtype)
@@ -45,7 +44,7 @@ class OpenStep:
     rows: torch.Tensor | None = None
 
 
-class DenseBackend(AttentionBackend):
+class DenseBackend(SlotBackend):
     def __init__(self, config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype,
                  device: torch.device):
         self.config = config
@@ -160,18 +159,6 @@ class DenseBackend(AttentionBackend):
                 rows[-1] = (self.open_k, self.open_v)[j][layer][step.slots[i].long()]
             return rows.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :prefix]
         return take(0), take(1)
-
-    # ---- tensor parallelism: a worker's allocator keeps rank 0's sequence slots ------------------
-    def sequence_state(self, seq: Sequence) -> int | None:
-        return self.allocator.slot_of.get(seq.seq_id) if self.open_slots else None
-
-    def adopt_sequence(self, seq: Sequence, slot: int | None) -> None:
-        if slot is not None:
-            self.allocator.slot_of[seq.seq_id] = slot
-
-    def drop_sequence(self, seq: Sequence) -> None:
-        if self.open_slots:
-            self.allocator.slot_of.pop(seq.seq_id, None)
 
     # ---- CUDA graphs: static slots (padding rows: the scratch slot) ------------------------------
     def init_graphs(self, buckets: list[int]) -> dict[int, OpenStep | None]:

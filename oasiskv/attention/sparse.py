@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from oasiskv.attention.base import AttentionBackend, StepPlan, StepStats
+from oasiskv.attention.base import SlotBackend, StepPlan, StepStats
 from oasiskv.attention.prefill import open_block_rows, prefill_attention
 from oasiskv.config import EngineConfig
 from oasiskv.engine.forward_batch import ForwardBatch, to_device_many
@@ -47,7 +47,7 @@ CPU_HBM_BYTES = 4 << 30  # without a GPU, working sets + summaries get this much
 LRU_PERIOD = 8  # decode steps between two LRU passes of a decode-host cache
 
 
-class SparseBackend(AttentionBackend):
+class SparseBackend(SlotBackend):
     """``probes``: a harness's attachments (``kv/probes.py``). ``drafter``: replaces the one
     ``tier.draft`` names (a lookahead ``draft`` must be set)."""
     takes_handoffs = True
@@ -146,16 +146,9 @@ class SparseBackend(AttentionBackend):
             self.retrieval.forget(slot)
 
     # ---- tensor parallelism: a worker's allocator keeps rank 0's working-set slots -------------
-    def sequence_state(self, seq: Sequence) -> int | None:
-        return self.allocator.slot_of.get(seq.seq_id)
-
-    def adopt_sequence(self, seq: Sequence, slot: int | None) -> None:
-        if slot is not None:
-            self.allocator.slot_of[seq.seq_id] = slot
-
     def drop_sequence(self, seq: Sequence) -> None:
         self._release(seq)
-        self.allocator.slot_of.pop(seq.seq_id, None)
+        super().drop_sequence(seq)
 
     # ---- one step --------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepPlan:

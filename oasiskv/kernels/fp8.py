@@ -21,8 +21,9 @@ own block, the most recent 1-16 tokens (docs/benchmarks.md section 24: keeping t
 bf16 model from 1.6-2.2 points of top-1 disagreement with bf16 dense to 0.7-0.8). So beside an
 8-bit pool or 8-bit working sets each running sequence also keeps the block it is writing into
 ("open") in the model's dtype, in a slot of its own (``OpenBlocks``); every token is written to
-both, and decode (paged or sparse) reads a row's last block from the open one. The pool's copy of the block is complete when the block fills,
-so nothing is converted when a sequence moves to its next block.
+both, and decode (paged or sparse) reads a row's last block from the open one. The 8-bit copy of
+the block is complete when the block fills, so nothing is converted when a sequence moves to its
+next block.
 
 This module is the torch side: the dtype, the rounding rule kernels and references share, and
 helpers that check scale tensors and dequantize gathered rows.
