@@ -66,7 +66,19 @@ class BlockManager(KVAllocator):
         needs_slot = self.needs_slot(seq)
         if not n and not needs_slot:  # (most decode steps: no sequence starts a block)
             return True
-        return n <= len(self.free_blocks) and (not needs_slot or bool(self.free_slots))
+        blocks = self._blocks_fit(n)
+        fits = blocks and (not needs_slot or bool(self.free_slots))
+        if not fits and needs_slot:
+            self._refused(blocks)
+        return fits
+
+    def _blocks_fit(self, n: int) -> bool:
+        """Whether ``n`` more blocks can be handed out now."""
+        return n <= len(self.free_blocks)
+
+    def _refused(self, blocks_fit: bool) -> None:
+        """A sequence that needs a slot was refused: for want of blocks or (``blocks_fit``) of a
+        slot."""
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         needs_slot = self.needs_slot(seq)

@@ -45,16 +45,11 @@ class TieredAllocator(BlockManager):
         #: is refused again at every step until it fits); read and reset by the backend
         self.refused = {"host_blocks": 0, "working_set_slots": 0}
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        n = self.blocks_to_add(seq, num_new_tokens)
-        has_slot = seq.seq_id in self.slot_of
-        if not n and has_slot:  # (most decode steps: a running sequence that starts no block)
-            return True
-        blocks = n <= len(self.free_blocks) and (self.host is None or self.host.can_take(n))
-        fits = blocks and (has_slot or bool(self.free_slots))
-        if not fits and not has_slot:  # a new sequence refused: by which budget
-            self.refused["working_set_slots" if blocks else "host_blocks"] += 1
-        return fits
+    def _blocks_fit(self, n: int) -> bool:
+        return super()._blocks_fit(n) and (self.host is None or self.host.can_take(n))
+
+    def _refused(self, blocks_fit: bool) -> None:
+        self.refused["working_set_slots" if blocks_fit else "host_blocks"] += 1
 
     def can_adopt(self) -> bool:
         return bool(self.free_slots)
