@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
 #        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-smoke] [pd-partial]
-#        [pd-bench] [profile-host] [open-block] [dense-dtypes]
+#        [pd-bench] [profile-host] [open-block] [dense-dtypes] [sparse-kernel]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -197,6 +197,10 @@ for stage in $stages; do
           $sweep 2>&1 | tee "$OUT/kernels-$dt.log" | grep -v '^{'
       done
       summary+=("kernels-fp8: see tables above") ;;
+    sparse-kernel)  # sparse decode at the 128 x 32K tiered point, its launch configs (KV_DTYPE)
+      python3 -m oasiskv.bench.kernels --sparse --kv-cache-dtype "$KV_DTYPE" 2>&1 \
+        | tee "$OUT/sparse-kernel.log" | grep -v '^{'
+      summary+=("sparse-kernel: see table above") ;;
     scores)  # the summary scan's launch configs, each summary dtype in SUMMARY_DTYPES (default both)
       for sd in ${SUMMARY_DTYPES:-auto fp8}; do
         python3 -m oasiskv.bench.kernels --scores --summary-dtype "$sd" 2>&1 \

@@ -18,6 +18,11 @@ the summary bytes read (FP8: values and scales).
 
 ``python -m oasiskv.bench.kernels --select``: ``select_blocks`` (the capped top-K selection) at 128
 rows x 2,048 blocks x 8 kv heads, K = 128, cap 7, one layer, for 1, 2, 4 and 8 warps per program.
+
+``python -m oasiskv.bench.kernels --sparse [--kv-cache-dtype ...]``: ``sparse_decode_attention``
+at the 128 x 32K tiered point (128 rows, each with a draft row; K = 128, every slot held; 8-bit:
+with open blocks), one layer, for each launch config in ``LAUNCHES``; GB/s counts the working-set
+bytes attended (8-bit: values and scales).
 """
 import argparse
 import json
@@ -165,6 +170,54 @@ def bench_scores(fp8: bool = False) -> dict:
 SELECT_ROWS, SELECT_K, SELECT_CAP = 128, 128, 7  # 128 x 32K, K = 128, f = 0.05
 
 
+def bench_sparse(kv: torch.dtype | None) -> dict:
+    """``sparse_decode_attention`` launch configs over one layer's working sets of SELECT_ROWS
+    sequences (SELECT_K + 1 slots each, all held) with a draft row each; 8-bit ``kv``: with
+    open blocks."""
+    from oasiskv.kernels.fp8 import OpenBlocks, quantize_rows
+    from oasiskv.kernels.paged_decode import launch_config
+    from oasiskv.kernels.sparse_decode import sparse_decode_attention
+
+    dev, n, slots = torch.device("cuda"), SELECT_ROWS, SELECT_K + 1
+    shape = (n + 1, NUM_KV_HEADS, slots, BLOCK_SIZE, HEAD_DIM)  # (+ the padding rows' slot)
+    ws, scales = [], []
+    for _ in range(2):
+        x = torch.randn(shape, dtype=DTYPE, device=dev)
+        values, scale = quantize_rows(x, kv) if kv is not None else (x, None)
+        ws.append(values)
+        scales.append(scale)
+        del x
+    ws_map = torch.arange(slots, dtype=torch.int32, device=dev).expand(shape[:3]).contiguous()
+    seq_slots = torch.arange(n, dtype=torch.int32, device=dev)
+    local_lens = torch.randint(1, BLOCK_SIZE + 1, (n,), dtype=torch.int32, device=dev)
+    q = torch.randn(2 * n, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    extra = dict(draft_rows=torch.arange(n, 2 * n, dtype=torch.int32, device=dev),
+                 extra_k=torch.randn(2 * n, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev),
+                 extra_v=torch.randn(2 * n, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev))
+    if kv is not None:
+        extra["scales"] = tuple(scales)
+        extra["open_block"] = OpenBlocks(*(torch.randn(shape[:2] + shape[3:], dtype=DTYPE,
+                                                       device=dev) for _ in range(2)), seq_slots)
+    out = torch.empty_like(q)
+    read = n * NUM_KV_HEADS * slots * BLOCK_SIZE * 2 * (
+        HEAD_DIM * ws[0].element_size() + (4 if kv is not None else 0))
+    name = str(kv or DTYPE).removeprefix("torch.")
+    print(f"sparse_decode_attention: {n} rows + {n} draft rows, K = {SELECT_K}, {name} working "
+          f"sets ({read / 1e9:.2f} GB per layer), on {torch.cuda.get_device_name()}")
+    print(f"{'tokens':>6} {'warps':>5} {'stages':>6} {'ms':>8} {'GB/s':>7}")
+    rows, default = [], launch_config(None, kv is not None)
+    for launch in LAUNCHES:
+        ms = _graph_median_ms(lambda: sparse_decode_attention(
+            q, *ws, ws_map, seq_slots, local_lens, HEAD_DIM ** -0.5, out=out, launch=launch,
+            **extra))
+        rows.append({"launch": launch, "ms": ms, "gbps": read / ms / 1e6})
+        mark = " (default)" if launch == default else ""
+        print(f"{launch[0]:>6} {launch[1]:>5} {launch[2]:>6} {ms:>8.4f} {read / ms / 1e6:>7.0f}"
+              f"{mark}", flush=True)
+    return {"bench": "sparse_decode_attention", "rows": n, "k": SELECT_K, "kv_cache_dtype": name,
+            "results": rows}
+
+
 def bench_select() -> dict:
     """``select_blocks`` (top-K, hits, capped admissions; one layer) at SELECT_ROWS rows x
     SCORE_BLOCKS blocks x 8 kv heads, half the slots filled, for each ``num_warps``. The timed graph
@@ -208,6 +261,8 @@ def main() -> None:
                         help="the selection benchmark (select_blocks) instead")
     parser.add_argument("--summary-dtype", choices=("auto", "fp8"), default="auto",
                         help="--scores: summaries in the model's dtype (bf16) or FP8")
+    parser.add_argument("--sparse", action="store_true",
+                        help="the sparse decode benchmark (its launch configs) instead")
     parser.add_argument("--sweep-launch", action="store_true",
                         help="also time each launch config in LAUNCHES at the first point")
     args = parser.parse_args()
@@ -222,6 +277,9 @@ def main() -> None:
         return
     kv = storage_dtype(args.kv_cache_dtype, DTYPE)
     kv = kv if kv != DTYPE else None
+    if args.sparse:
+        print(json.dumps(bench_sparse(kv)))
+        return
     rows = []
     print(f"paged_decode_attention: {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, head_dim {HEAD_DIM}, "
           f"bf16 q, {str(kv or DTYPE).removeprefix('torch.')} cache, block {BLOCK_SIZE}, on "

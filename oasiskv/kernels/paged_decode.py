@@ -27,14 +27,16 @@ _PACKED_INT8 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 #: seen
 _NORM_FLOOR = tl.constexpr(2.0 ** -40)
 # Launch config: (KV tokens per inner-loop iteration (several blocks per tile when block_size is
-# small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16). 16-bit caches (and
-# the sparse kernel): 64-token tiles, 2 stages. 8-bit paged decode loads each tile's block ids and
-# scales one iteration ahead (INDEX_AHEAD), which lets 3 stages pipeline: 128-token tiles, 3
-# stages, 2.5% faster at 46 x 32K and 8% at 128 x 32K than 64 / 2 without (docs/benchmarks.md §15;
-# the same loading order costs 16-bit caches 3-5%; with whole tiles and fp16 P.V, 128 / 4 / 3 is
-# still the fastest of the sweep in §17).
+# small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16). 16-bit caches:
+# 64-token tiles, 2 stages. 8-bit paged decode loads each tile's block ids and scales one
+# iteration ahead (INDEX_AHEAD), which lets 3 stages pipeline: 128-token tiles, 3 stages, 2.5%
+# faster at 46 x 32K and 8% at 128 x 32K than 64 / 2 without (docs/benchmarks.md §15; the same
+# loading order costs 16-bit caches 3-5%; with whole tiles and fp16 P.V, 128 / 4 / 3 is still
+# the fastest of the sweep in §17). 8-bit sparse decode too: 128 / 4 / 3 is 22% faster than
+# 64 / 4 / 2 over FP8 working sets of the 128 x 32K tiered point (K = 128, drafts, open blocks;
+# §26).
 _LAUNCH = (64, 4, 2)
-_LAUNCH_8BIT_PAGED = (128, 4, 3)
+_LAUNCH_8BIT = (128, 4, 3)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -435,11 +437,10 @@ def fp16_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def launch_config(launch: tuple[int, int, int] | None = None,
-                  quantized_paged: bool = False) -> tuple[int, int, int]:
-    """(tokens per iteration, warps, stages) for decode: ``launch`` when given (the kernel
-    benchmark's sweep), else the tuned one (``quantized_paged``: paged decode over an 8-bit
-    cache)."""
-    return launch or (_LAUNCH_8BIT_PAGED if quantized_paged else _LAUNCH)
+                  quantized: bool = False) -> tuple[int, int, int]:
+    """(tokens per iteration, warps, stages) for paged and sparse decode: ``launch`` when given (a
+    kernel benchmark's sweep), else the tuned one (``quantized``: over an 8-bit cache)."""
+    return launch or (_LAUNCH_8BIT if quantized else _LAUNCH)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,

@@ -189,7 +189,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
                             extra_k: torch.Tensor | None = None,
                             extra_v: torch.Tensor | None = None,
                             scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            open_block: OpenBlocks | None = None) -> torch.Tensor:
+                            open_block: OpenBlocks | None = None,
+                            launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its sequence's working set; returns
     ``out``.
 
@@ -218,7 +219,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     (``kernels/fp8.py``); the draft rows' own K/V are unscaled. ``open_block`` (8-bit working
     sets only): row n's local tokens are read from block ``open_block.slots[n]`` of its caches
     ``[*, Hk, B, D]`` in the model's dtype (``OpenBlocks``), not from slot W-1 (never read then).
-    No host sync; CUDA-graph capturable (grid and workspace depend on shapes only).
+    ``launch``: forces ``paged_decode.launch_config`` (a benchmark's sweep). No host sync;
+    CUDA-graph capturable (grid and workspace depend on shapes only).
     """
     num_rows, num_q_heads, head_dim = q.shape
     n = seq_slots.shape[0]
@@ -255,10 +257,10 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     if n == 0:
         return out
 
-    tokens, warps, stages = launch_config()
+    tokens, warps, stages = launch_config(launch, scales is not None)
     slots_per_iter = max(1, tokens // block_size)
     key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft,
-           open_block is not None)
+           open_block is not None, tokens, warps, stages)
     if num_splits is None:
         num_splits = default_num_splits(n, num_kv_heads, num_slots, block_size,
                                         _waves.get(key, _DEFAULT_WAVE))
