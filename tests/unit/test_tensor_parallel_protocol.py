@@ -30,12 +30,10 @@ class _Recorder(TensorParallelDriver):
         self.inbox.append((kind, message))
 
 
-class _Backend:
+class _Backend(SparseBackend):
     """The tiered backend's tensor-parallel methods (``SparseBackend``'s own) over an allocator,
-    without storage: ``released`` collects the sequences it dropped."""
-    sequence_state = SparseBackend.sequence_state
-    adopt_sequence = SparseBackend.adopt_sequence
-    drop_sequence = SparseBackend.drop_sequence
+    without storage (its constructor is not run): ``released`` collects the sequences it
+    dropped."""
 
     def __init__(self, allocator: TieredAllocator, released: list):
         self.allocator, self._release = allocator, released.append
