@@ -250,15 +250,22 @@ def _attend_tile(q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l
 
 
 @triton.jit
-def _attend_open(q, kt, v, valid, acc, acc_norm, m_i, l_i, qk_scale, offs_t,
-                 DOT_PRECISION: tl.constexpr, FP16_DOT: tl.constexpr):
-    """The row's open block (``open_block`` of ``paged_decode_attention``): keys ``kt``
-    ``[HEAD_DIM, BLOCK_SIZE]`` and values ``v`` ``[BLOCK_SIZE, HEAD_DIM]`` in the model's dtype
-    (no scales), ``valid`` its written tokens; updates the running state of the 8-bit tiles
-    (``_attend_tile``) and returns (acc, m_i, l_i). The dots run on float32 inputs at
+def _attend_open(q, k_block, v_block, num_valid, acc, acc_norm, m_i, l_i, qk_scale, offs_t,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FP16_DOT: tl.constexpr):
+    """A row's open block (``OpenBlocks``; paged and sparse decode): the first ``num_valid`` of
+    the ``BLOCK_SIZE`` tokens at ``k_block`` / ``v_block`` (one kv head's ``[BLOCK_SIZE,
+    HEAD_DIM]`` rows, contiguous, in the model's dtype, no scales) update the running state of the
+    8-bit tiles (``_attend_tile``); returns (acc, m_i, l_i). The dots run on float32 inputs at
     DOT_PRECISION (tf32 holds a 16-bit value and ``_fp16_query``'s fp16 query exactly); the
     values' weights are divided by the accumulator's unit ``acc_norm`` (FP16_DOT), and the tile's
     row sums go into the first column of the denominator's per-column state."""
+    offs_b, offs_d = tl.arange(0, BLOCK_SIZE), tl.arange(0, HEAD_DIM)
+    valid = offs_b < num_valid
+    kt = tl.load(k_block + offs_b[None, :] * HEAD_DIM + offs_d[:, None], mask=valid[None, :],
+                 other=0.0)
+    v = tl.load(v_block + offs_b[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None],
+                other=0.0)
     s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision=DOT_PRECISION)
     p, alpha, m_new = _exp_scores(s * qk_scale, valid, m_i)
     if FP16_DOT:
@@ -386,15 +393,12 @@ def _decode_split_kernel(
             q, kt, v, k_scale, v_scale, valid, acc, acc_norm, v_max, m_i, l_i, qk_scale,
             DOT_PRECISION, QUANT, FP16_DOT, INTERPRETED, True)
     if OPEN and blk_start < blk_end and blk_end == ctx_blocks:  # this split ends the row
-        open_base = tl.load(open_slots_ptr + row).to(tl.int64) * stride_cb
-        offs_b = tl.arange(0, BLOCK_SIZE)
-        open_valid = quant_len + offs_b < ctx_len
-        kt = tl.load(open_k_ptr + open_base + kv_head * stride_ch + offs_b[None, :] * stride_cs
-                     + offs_d[:, None], mask=open_valid[None, :], other=0.0)
-        v = tl.load(open_v_ptr + open_base + kv_head * stride_ch + offs_b[:, None] * stride_cs
-                    + offs_d[None, :], mask=open_valid[:, None], other=0.0)
-        acc, m_i, l_i = _attend_open(q, kt, v, open_valid, acc, acc_norm, m_i, l_i, qk_scale,
-                                     offs_t, DOT_PRECISION, FP16_DOT)
+        # (the open blocks have the cache's layout: its block and head strides)
+        open_base = (tl.load(open_slots_ptr + row).to(tl.int64) * stride_cb
+                     + kv_head * stride_ch)
+        acc, m_i, l_i = _attend_open(q, open_k_ptr + open_base, open_v_ptr + open_base,
+                                     ctx_len - quant_len, acc, acc_norm, m_i, l_i, qk_scale,
+                                     offs_t, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION, FP16_DOT)
 
     _store_split(_true_acc(acc, acc_norm, FP16_DOT), m_i, _row_denominator(l_i, FP16_DOT), out_ptr,
                  m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits, tl.num_programs(1) * G,

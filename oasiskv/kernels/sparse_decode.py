@@ -146,14 +146,9 @@ def _sparse_split_kernel(
         m_i = m_new
     if OPEN and slot_start <= local_slot and local_slot < slot_end:  # (slot_end: padding rows)
         open_base = tl.load(open_slots_ptr + row).to(tl.int64) * stride_bs + kv_head * stride_bh
-        offs_b = tl.arange(0, BLOCK_SIZE)
-        open_valid = offs_b < local_len
-        kt = tl.load(open_k_ptr + open_base + offs_b[None, :] * HEAD_DIM + offs_d[:, None],
-                     mask=open_valid[None, :], other=0.0)
-        v = tl.load(open_v_ptr + open_base + offs_b[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=open_valid[:, None], other=0.0)
-        acc, m_i, l_i = _attend_open(q_dot, kt, v, open_valid, acc, acc_norm, m_i, l_i, qk_dot,
-                                     offs_t, DOT_PRECISION, FP16_DOT)
+        acc, m_i, l_i = _attend_open(q_dot, open_k_ptr + open_base, open_v_ptr + open_base,
+                                     local_len, acc, acc_norm, m_i, l_i, qk_dot, offs_t, HEAD_DIM,
+                                     BLOCK_SIZE, DOT_PRECISION, FP16_DOT)
     l_i = _row_denominator(l_i, FP16_DOT)
     acc = _true_acc(acc, acc_norm, FP16_DOT)
 
