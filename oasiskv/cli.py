@@ -68,7 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "prompt's blocks stay on the prefill worker until selected")
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_waiting=args.max_waiting, served_model_name=args.served_model_name,
-                 max_request_bytes=args.max_request_bytes, pd=pd)
+                 max_request_bytes=args.max_request_bytes, pd=pd,
+                 emulated_host_gib=args.emulated_host_gib)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -167,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "most N of its complete blocks are missing from this worker's prefix "
                           "cache (a repeated prompt, a chat's next turn); 0 = only when none is "
                           "(default: 0)")
+    srv.add_argument("--emulated-host-gib", type=float, default=0.0, metavar="GIB",
+                     help="BENCHMARK ONLY (random weights): --role prefill or both, --kv-mode "
+                          "oasis: admit as if the host store held GIB; requests share its "
+                          "physical blocks (--host-kv-gib), so bytes moved are real, contents "
+                          "not (default: 0, off)")
     srv.set_defaults(func=cmd_serve)
 
     from oasiskv.bench.decode_sweep import add_bench_flags

@@ -203,6 +203,9 @@ def main() -> int:
                ("cache_evictions", "evictions", 10), ("cache_deferred", "deferred", 9),
                ("cache_overlapped", "overlapped", 11), ("cache_rows_peak", "rows peak", 10),
                ("cache_rows", "rows", 8))
+    if "--emulated-host-gib" in args.prefill_flags:
+        print("*** EMULATED prefill host: its prompts share physical host blocks (capacity "
+              "emulation, benchmark only: random weights)")
     first = next(iter(points.values()))["texts"] if points else []
     for p in points.values():
         p["same_text"] = sum(a == b for a, b in zip(p.pop("texts"), first))
@@ -218,6 +221,7 @@ def main() -> int:
     for setup, reason in failed.items():
         print(f"{setup:13} failed: {reason}")
     print(json.dumps({"model": args.model, "context": args.context, "requests": args.requests,
+                      "prefill_flags": args.prefill_flags,
                       "max_tokens": args.max_tokens, "flags": extra, "points": points,
                       "failed": failed}))
     return 1 if failed else 0

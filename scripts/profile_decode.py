@@ -32,8 +32,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from oasiskv.bench.decode_sweep import (add_bench_flags, config_from_args, fit_defaults,
-                                        make_engine)
+from oasiskv.bench.decode_sweep import add_bench_flags, config_from_args, fit_defaults
+from oasiskv.bench.harness import make_engine
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
 

@@ -30,12 +30,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from oasiskv.bench.harness import emulated_host, emulated_label, oasis_backend
+from oasiskv.bench.harness import emulated_label, make_engine
 from oasiskv.bench.roofline import kv_read_bytes, measure_copy_bandwidth, weight_bytes
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.kv.allocator import TieredAllocator
-from oasiskv.kv.probes import TierProbes
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -134,16 +133,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
         draft=args.draft, prefetch=args.prefetch, guardrail_rate=args.guardrail_rate,
         summary_dtype=args.summary_dtype, kv_open_block=args.kv_open_block)
-
-
-def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0) -> LLMEngine:
-    """The engine a bench point runs: in oasis mode with the harness's probes (an emulated host
-    store of ``emulated_host_gib`` GiB when > 0)."""
-    if config.kv_mode != "oasis" or not emulated_host_gib:
-        return LLMEngine(config)
-    # (as --host-kv-gib: the total over the ranks, each emulating its kv heads' share)
-    probes = TierProbes(host_store=emulated_host(emulated_host_gib / config.tensor_parallel_size))
-    return LLMEngine(config, backend_factory=oasis_backend(probes))
 
 
 def fit_defaults(args: argparse.Namespace) -> None:

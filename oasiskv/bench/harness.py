@@ -4,6 +4,8 @@
   emulation, benchmark only): id b lives in physical block b mod ``num_physical``, so requests share
   physical blocks. Bytes moved and access patterns are real, the contents are not: only for
   random-weight throughput runs, and every output says so (``emulated_label``).
+- ``make_engine``: the engine a benchmark point (or a served benchmark worker,
+  ``serve --emulated-host-gib``) runs, with an emulated host store when asked.
 - ``oasis_backend``: a backend factory for ``LLMEngine`` that builds the sparse backend with probes
   (and optionally a drafter of the harness's own, e.g. the eval's oracle); picklable when they
   are, so that tensor-parallel ranks build the same.
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from oasiskv.attention.sparse import SparseBackend
+from oasiskv.config import EngineConfig
+from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.probes import TierProbes
@@ -69,3 +73,13 @@ def emulated_label(engine) -> str:
 def oasis_backend(probes: TierProbes, drafter=None):
     """A ``BackendFactory`` building ``SparseBackend`` with ``probes`` (and ``drafter``)."""
     return functools.partial(SparseBackend, probes=probes, drafter=drafter)
+
+
+def make_engine(config: EngineConfig, emulated_host_gib: float = 0.0) -> LLMEngine:
+    """The engine a bench point runs: in oasis mode with the harness's probes (an emulated host
+    store of ``emulated_host_gib`` GiB when > 0)."""
+    if config.kv_mode != "oasis" or not emulated_host_gib:
+        return LLMEngine(config)
+    # (as --host-kv-gib: the total over the ranks, each emulating its kv heads' share)
+    probes = TierProbes(host_store=emulated_host(emulated_host_gib / config.tensor_parallel_size))
+    return LLMEngine(config, backend_factory=oasis_backend(probes))

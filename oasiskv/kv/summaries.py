@@ -71,7 +71,8 @@ class SummaryStore:
 class SummaryMirror:
     """Host copies of block summaries, laid out by block as the host store is (``[rows, L, Hk, 2,
     D]``; FP8: scales ``[rows, L, Hk, 2]``), so that NIXL moves a block's summaries in one unit. A
-    prefill worker's is indexed by host block id (``put`` when it hands a prompt off); a decode
+    prefill worker's is indexed by its host store's rows (``HostStore.rows_of``: a block's id, but
+    in an emulated store) and filled when it hands a prompt off (``put``); a decode
     worker's is the staging area it reads a handoff's summaries into (``take``)."""
 
     def __init__(self, layout: TieredLayout, num_rows: int):

@@ -379,14 +379,24 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_waiting: int = 1024,
           served_model_name: str | None = None,
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          pd: Disaggregation = Disaggregation()) -> int:
+          pd: Disaggregation = Disaggregation(), emulated_host_gib: float = 0.0) -> int:
     """Load the engine and serve until SIGINT/SIGTERM; returns the exit status (0 after a clean
-    stop). ``api_key`` falls back to ``$OASISKV_API_KEY``; empty means no auth."""
+    stop). ``api_key`` falls back to ``$OASISKV_API_KEY``; empty means no auth.
+    ``emulated_host_gib`` (benchmark only): a one-node or prefill worker's tiered host store
+    answers for that many GiB of block ids over its physical blocks (``bench/harness.py``), so a
+    random-weight benchmark can hold more prompts' KV than the machine's RAM."""
     api_key = api_key or os.environ.get("OASISKV_API_KEY") or None
+    if emulated_host_gib and (pd.role not in ("both", "prefill") or config.kv_mode != "oasis"):
+        raise ValueError("--emulated-host-gib emulates the tiered host store of one node or a "
+                         "prefill worker: --role both or prefill, --kv-mode oasis")
     if pd.role == "memory":
         app = create_memory_app(config, api_key, max_waiting, max_request_bytes, pd)
     else:
-        engine = LLMEngine(config)
+        if emulated_host_gib:  # (the harness's probes only where asked for)
+            from oasiskv.bench.harness import make_engine
+            engine = make_engine(config, emulated_host_gib)
+        else:
+            engine = LLMEngine(config)
         try:
             app = create_app(engine, served_model_name, api_key, max_waiting, max_request_bytes,
                              pd)

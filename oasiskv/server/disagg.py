@@ -364,7 +364,10 @@ class _KVHolder:
         self.leases[lease] = (blocks, time.monotonic() + self.lease_s)
         self._leases.set(len(self.leases))
         self._exported.inc(len(blocks))
-        return {"lease": lease, "blocks": blocks, "lease_s": self.lease_s}
+        # (readers address the registered store by row: a block id is its row except in an
+        # emulated store, whose ids share rows)
+        return {"lease": lease, "blocks": self.exchange.kv.host.rows_of(blocks),
+                "lease_s": self.lease_s}
 
     def renew(self, lease: str) -> dict:
         """Hold a lease's blocks ``lease_s`` seconds from now (a decode worker whose cache reads
@@ -419,7 +422,7 @@ class PrefillService(_KVHolder):
         exchange.reserved = bridge.engine.pending_handoff_blocks  # (exports leave them room)
         #: the summaries of the blocks handed off, for decode workers to read (2 rows per block
         #: against the host store's 2 * B)
-        self.summaries = SummaryMirror(exchange.kv.layout, exchange.kv.host.num_blocks)
+        self.summaries = SummaryMirror(exchange.kv.layout, exchange.kv.host.k.shape[0])
         super().__init__(bridge, exchange, registry, "prefill", lease_s, self.summaries)
         self.memory = [_Worker(url.rstrip("/")) for url in memory_urls]
         self.puller = None
@@ -517,7 +520,8 @@ class PrefillService(_KVHolder):
             try:
                 blocks = handoff.blocks[first:complete]
                 if blocks:
-                    self.summaries.put(blocks, self.exchange.kv.summaries.read(blocks))
+                    self.summaries.put(self.exchange.kv.host.rows_of(blocks),
+                                       self.exchange.kv.summaries.read(blocks))
             except BaseException:
                 self.exchange.release(handoff.blocks)
                 raise
@@ -587,7 +591,8 @@ class PrefillService(_KVHolder):
         them and holds its copy of every one under its own lease. Its answer, with ``worker`` (its
         URL: where the decode worker reads them and releases the lease); None when no memory
         worker took them all (this worker keeps them)."""
-        body = {"descriptor": self.descriptor()["descriptor"], "blocks": blocks,
+        body = {"descriptor": self.descriptor()["descriptor"],
+                "blocks": self.exchange.kv.host.rows_of(blocks),
                 "prompt_token_ids": ids}
         for worker in self._memory_workers():
             worker.inflight += 1

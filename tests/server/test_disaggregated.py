@@ -315,7 +315,12 @@ def test_roles_refuse_what_they_cannot_do(tmp_path, fixtures_path):
                            (("--prefill-url", "http://127.0.0.1:1"), "is for --role decode"),
                            (("--memory-url", "http://127.0.0.1:1"), "is for --role prefill"),
                            (("--role", "prefill", "--offload-below-blocks", "4"),
-                            "needs a --memory-url")]:
+                            "needs a --memory-url"),
+                           (("--kv-mode", "oasis", "--role", "decode", "--prefill-url",
+                             "http://127.0.0.1:1", "--emulated-host-gib", "1"),
+                            "emulates the tiered host store of one node or a prefill worker"),
+                           (("--emulated-host-gib", "1"),
+                            "--role both or prefill, --kv-mode oasis")]:
         with pytest.raises(RuntimeError, match=message):
             ServerProcess(tmp_path / "bad.log", target, "--dtype", "float32", *flags)
 
@@ -579,3 +584,26 @@ def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_pat
     assert released(prefill)
 
     kill_mid_decode(decode, single, prefill, rng)
+
+
+def test_an_emulated_prefill_store_serves_rows_not_block_ids(launch, fixtures_path):
+    """A prefill worker with ``--emulated-host-gib`` (benchmark only) answers for more block ids
+    than its host store has rows (id b in row b mod rows): its leases name the rows a reader
+    reads, so the block ids past the last row that later prompts get (the free list hands out
+    every id before reusing one) still read their own KV, and prompts one at a time, sharing no
+    row while they run, decode the single-node tokens through partial admission."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 4000) for _ in range(1000)] for _ in range(5)]
+    flags = ("--topk-blocks", "2", "--draft", "ngram", "--host-kv-gib", "0.05")
+    rows = int(0.02 * 2**30) // block_bytes(fixtures_path)
+    single = launch("single", *flags)
+    prefill = launch("prefill-emulated", *flags, "--role", "prefill", "--host-kv-gib", "0.02",
+                     "--emulated-host-gib", "0.2")
+    decode = launch("decode-partial", *flags, "--role", "decode", "--prefill-url", prefill.url,
+                    "--f-host", "0.25", "--pd-transfer", "partial")
+    for ids in prompts:
+        assert answer(complete(decode, ids, 24)) == answer(complete(single, ids, 24))
+    assert released(prefill)
+    # (every prompt's blocks are fresh ids: past the store's rows by the fourth prompt)
+    assert prefill.metrics()["oasiskv_pd_blocks_exported_total"] > rows
+    assert "EMULATED host capacity" in prefill.log_path.read_text()
