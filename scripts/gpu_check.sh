@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
 #        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-smoke] [pd-partial]
-#        [pd-bench] [profile-host] [open-block] [dense-dtypes] [sparse-kernel]
+#        [pd-bench] [profile-host] [open-block] [dense-dtypes] [sparse-kernel] [kernel-compare]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -197,6 +197,23 @@ for stage in $stages; do
           $sweep 2>&1 | tee "$OUT/kernels-$dt.log" | grep -v '^{'
       done
       summary+=("kernels-fp8: see tables above") ;;
+    kernel-compare)  # paged decode (KERNEL_DTYPES, default fp8 int8; 46 and 24 x 32K) and sparse decode
+      # (the 128 x 32K tiered point, KV_DTYPE): the tree in .before/ and this one, interleaved
+      # (KC_RUNS, default twice); LAUNCH_SWEEP=1 sweeps the paged launch configs in the last run
+      runs=(${KC_RUNS:-before after before after})
+      for i in "${!runs[@]}"; do
+        run=${runs[$i]}
+        for dt in ${KERNEL_DTYPES:-fp8 int8}; do
+          sweep=""; [ "$i" = $((${#runs[@]} - 1)) ] && [ -n "${LAUNCH_SWEEP:-}" ] && sweep=--sweep-launch
+          PYTHONPATH=$(tree_dir "$run") python3 -P -m oasiskv.bench.kernels --kv-cache-dtype "$dt" \
+            --batches 46,24 --contexts 32768 $sweep 2>&1 | tee "$OUT/kc-$i-$run-$dt.log" | grep -v '^{' \
+            | sed "s/^/$run $dt: /"
+        done
+        PYTHONPATH=$(tree_dir "$run") python3 -P -m oasiskv.bench.kernels --sparse --kv-cache-dtype "$KV_DTYPE" \
+          2>&1 | tee "$OUT/kc-$i-$run-sparse.log" | grep -v '^{' | sed "s/^/$run sparse: /"
+      done
+      export PYTHONPATH=$PWD
+      summary+=("kernel-compare: see tables above") ;;
     sparse-kernel)  # sparse decode at the 128 x 32K tiered point, its launch configs (KV_DTYPE)
       python3 -m oasiskv.bench.kernels --sparse --kv-cache-dtype "$KV_DTYPE" 2>&1 \
         | tee "$OUT/sparse-kernel.log" | grep -v '^{'
