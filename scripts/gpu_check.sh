@@ -36,12 +36,21 @@ tree_dir() {  # the package tree a run named before-* / before uses: .before/, e
 }
 
 need() {  # install missing packages from wheels staged in .whl (the machine has no index), e.g.
-  # `pip download -d .whl --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
-  # --platform manylinux_2_28_x86_64 fastapi uvicorn pydantic httpx nixl-cu13==1.5.1`, then
-  # `python scripts/slim_wheel.py .whl/nixl_cu13-*.whl nixl_ep_cu13 --out .whl` (56 -> 29 MiB: the
-  # tree and .whl then fit the 64 MiB a run takes)
+  # `pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --platform
+  # manylinux2014_x86_64 --platform manylinux_2_28_x86_64 fastapi starlette uvicorn pydantic
+  # pydantic-core annotated-types typing-inspection nixl-cu13==1.5.1`, then `python
+  # scripts/slim_wheel.py .whl/nixl_cu13-*.whl nixl_ep_cu13 nixl_cu13-1.5.1.data/headers
+  # nixl_cu13.scripts --out .whl --only-needed-by libnixl.so _bindings _utils libplugin_UCX.so
+  # libplugin_POSIX.so ucx/` (56 -> 18 MiB: the tree, .whl and the packed fixture target then fit
+  # the 64 MiB a run takes)
   python3 -m pip install -q --no-index --find-links .whl "$@" 2>&1 | tail -2
 }
+
+# A fixture carried packed (`tar -cJf .fixtures/pycode-19m-target.tar.xz -C <fixtures> pycode-19m/target
+# pycode-19m/eval_dev.json`: 27 MB against 44 unpacked) is unpacked where OASISKV_FIXTURES points.
+if [ ! -d "$OASISKV_FIXTURES" ] && [ -f .fixtures/pycode-19m-target.tar.xz ]; then
+  mkdir -p "$(dirname "$OASISKV_FIXTURES")" && tar -xJf .fixtures/pycode-19m-target.tar.xz -C "$(dirname "$OASISKV_FIXTURES")"
+fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -162,8 +171,8 @@ for stage in $stages; do
         summary+=("pd-smoke $tree: $(tail -1 "$OUT/pd_smoke_$tree.log" | cut -c1-400)")
       done ;;
     pd-partial)  # 1 GPU: full against partial admission on the fixture target (trained), both workers
-      # sharing the GPU, 16 x 8K windows of held-out text, decode-host cache f_host 0.2; carry .whl,
-      # and .fixtures in a call just before (a warm machine keeps it; both do not fit one call);
+      # sharing the GPU, 16 x 8K windows of held-out text, decode-host cache f_host 0.2; carry .whl
+      # and .fixtures (the packed target, see above: both fit one call);
       # PD_TREES="before after" runs the tree in .before/ first (compare)
       need fastapi uvicorn pydantic httpx nixl-cu13
       for tree in ${PD_TREES:-after}; do
