@@ -54,8 +54,21 @@ def _graph_median_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, return_mode="median")
 
 
-# (tokens per iteration, warps, stages) tried at the first point with --sweep-launch
-LAUNCHES = [(t, w, s) for t in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+# (tokens per iteration, warps, stages) tried at the first point with --sweep-launch (and by
+# --sparse): 1-2 warps per program too, whose online softmax needs no reduction across warps
+LAUNCHES = [(t, w, s) for t in (32, 64, 128) for w in (1, 2, 4, 8) for s in (2, 3, 4)
+            if 8 <= t // w <= 64]
+
+
+def _launch_ms(fn, launch: tuple[int, int, int]) -> float | None:
+    """``_graph_median_ms(fn)``, or None (printed) when ``launch`` does not compile or run (e.g.
+    its shared memory exceeds the device's)."""
+    try:
+        return _graph_median_ms(fn)
+    except Exception as e:  # noqa: BLE001 (a config the device cannot run is a result)
+        print(f"   launch {launch}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
+        torch.cuda.synchronize()
+        return None
 
 
 def _bench_one(batch: int, context: int, kv: torch.dtype | None,
@@ -95,8 +108,10 @@ def _bench_one(batch: int, context: int, kv: torch.dtype | None,
     launches = {}
     if sweep_launch:
         for launch in LAUNCHES:
-            launches[launch] = _graph_median_ms(lambda launch=launch: attend(launch=launch))
-            print(f"   launch {launch}: {launches[launch]:.4f} ms", flush=True)
+            ms_launch = _launch_ms(lambda launch=launch: attend(launch=launch), launch)
+            if ms_launch is not None:
+                launches[launch] = ms_launch
+                print(f"   launch {launch}: {ms_launch:.4f} ms", flush=True)
 
     # The same KV gathered contiguous: [B, kv_heads, T, D]; SDPA broadcasts kv heads over q heads
     # (GQA).
@@ -207,9 +222,11 @@ def bench_sparse(kv: torch.dtype | None) -> dict:
     print(f"{'tokens':>6} {'warps':>5} {'stages':>6} {'ms':>8} {'GB/s':>7}")
     rows, default = [], launch_config(None, kv is not None)
     for launch in LAUNCHES:
-        ms = _graph_median_ms(lambda: sparse_decode_attention(
+        ms = _launch_ms(lambda: sparse_decode_attention(
             q, *ws, ws_map, seq_slots, local_lens, HEAD_DIM ** -0.5, out=out, launch=launch,
-            **extra))
+            **extra), launch)
+        if ms is None:
+            continue
         rows.append({"launch": launch, "ms": ms, "gbps": read / ms / 1e6})
         mark = " (default)" if launch == default else ""
         print(f"{launch[0]:>6} {launch[1]:>5} {launch[2]:>6} {ms:>8.4f} {read / ms / 1e6:>7.0f}"
