@@ -13,8 +13,14 @@ windows of it in the model's tokens: a trained model's selections then have its 
 and ``--max-tokens`` tokens each, greedy. Reported per setup: TTFT (mean, p99), decode tok/s (tokens
 after each request's first, over the time from the first first-token to the last token), the
 largest running batch seen on /metrics (polled), and for the decode worker the bytes read at
-admission, NIXL reads and their GB/s (bytes over the summed transfer seconds) with the p99
-transfer time (histogram bucket bound); with a decode-host cache also the blocks it read again
+admission, NIXL reads and their rate (read GB/s: bytes over the summed transfer seconds) with the
+p99 transfer time (histogram bucket bound), and the remote tier's bandwidth over the load (GB/s
+mean / p99: the decode worker's timeline, ``GET /v1/kv/timeline``, of every byte it read over
+NIXL, admission and decode-host cache reads, each transfer's spread over its duration, in 10 ms
+bins from the first request's start to the last token; the mean is every byte over that span, the
+p99 the nearest-rank 99th percentile of the bins' rates, idle bins included: the paper's Fig. 13
+point, a link idle between admission bursts has a p99 far above its mean); with a decode-host
+cache also the blocks it read again
 (misses, GB, transfers, their p99), its evictions, the reads a step stopped waiting for
 (deferred) and those started while a step's graph replayed (overlapped), and the most host rows
 in use at once (of its rows), and how many completions have the first setup's text. A table,
@@ -49,6 +55,25 @@ def _histogram_p99(m: dict[str, float], name: str) -> float | None:
     buckets = sorted((float(k.split("{")[1].rstrip("}")), v) for k, v in m.items()
                      if k.startswith(f"{name}_bucket{{") and "+Inf" not in k)
     return next((le for le, v in buckets if v >= 0.99 * count), float("inf"))
+
+
+def _timeline_now(front: Server) -> float | None:
+    """The decode worker's clock, which its bandwidth timeline is kept in; None for a server
+    without one (a single node, a tree before it)."""
+    resp = httpx.get(front.url + "/v1/kv/timeline", timeout=10)
+    return resp.json()["now"] if resp.status_code == 200 else None
+
+
+def _bandwidth(front: Server, start: float) -> dict:
+    """Mean and p99 GB/s of the decode worker's remote reads over its timeline's bins from
+    ``start`` (its clock) to now, idle bins included."""
+    from oasiskv.kv.timeline import rate_summary  # (the served tree's: it serves the timeline)
+    resp = httpx.get(front.url + "/v1/kv/timeline", params={"start": start}, timeout=30)
+    resp.raise_for_status()
+    t = resp.json()
+    mean, p99 = rate_summary(t["bins"], t["bin_s"])
+    return {"remote_gb_s_mean": mean / 1e9, "remote_gb_s_p99": p99 / 1e9,
+            "remote_timeline_s": len(t["bins"]) * t["bin_s"], "timeline_bin_s": t["bin_s"]}
 
 
 def prompts(args) -> list[list[int]]:
@@ -105,8 +130,10 @@ def run_load(args, front: Server, batch: list[list[int]]) -> dict:
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
+    since = _timeline_now(front)
     with ThreadPoolExecutor(args.requests) as pool:
         results = list(pool.map(one, range(args.requests)))
+    link = _bandwidth(front, since) if since is not None else {}
     stop.set()
     ttft = [first - start for start, first, *_ in results]
     span = max(r[2] for r in results) - min(r[1] for r in results)
@@ -114,13 +141,13 @@ def run_load(args, front: Server, batch: list[list[int]]) -> dict:
     m = front.metrics()
     point = {"ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _p99(ttft),
              "decode_tok_s": decoded / span if span > 0 else 0.0, "peak_batch": peak[0],
-             "texts": [r[4] for r in results]}
+             "texts": [r[4] for r in results], **link}
     if "oasiskv_pd_admission_bytes_total" in m:
         nbytes, seconds = (m["oasiskv_pd_admission_bytes_total"],
                            m.get("oasiskv_pd_remote_read_seconds_sum", 0.0))
         read = nbytes - m.get("oasiskv_pd_handoff_bytes_total", 0.0)  # (NIXL's part)
         point |= {"admission_gb": nbytes / 1e9, "remote_reads": m["oasiskv_pd_remote_reads_total"],
-                  "remote_gb_s": read / seconds / 1e9 if seconds else None,
+                  "read_gb_s": read / seconds / 1e9 if seconds else None,
                   "remote_read_p99_s": _histogram_p99(m, "oasiskv_pd_remote_read_seconds")}
     if "oasiskv_pd_cache_rows" in m:
         point |= {"cache_misses": m["oasiskv_pd_cache_misses_total"],
@@ -197,7 +224,8 @@ def main() -> int:
             for s in reversed(servers):  # the front first: it lets go of its leases on the others
                 s.stop()
     columns = (("admission_gb", "admission GB", 13), ("remote_reads", "reads", 6),
-               ("remote_gb_s", "remote GB/s", 12), ("remote_read_p99_s", "read p99 s", 11),
+               ("read_gb_s", "read GB/s", 10), ("remote_read_p99_s", "read p99 s", 11),
+               ("remote_gb_s_mean", "GB/s mean", 10), ("remote_gb_s_p99", "GB/s p99", 9),
                ("cache_misses", "cache misses", 13), ("cache_read_gb", "cache GB", 9),
                ("cache_reads", "cache reads", 12), ("cache_read_p99_s", "cache p99 s", 12),
                ("cache_evictions", "evictions", 10), ("cache_deferred", "deferred", 9),
@@ -209,17 +237,17 @@ def main() -> int:
     first = next(iter(points.values()))["texts"] if points else []
     for p in points.values():
         p["same_text"] = sum(a == b for a, b in zip(p.pop("texts"), first))
-    print(f"{'setup':13} {'TTFT mean s':>12} {'TTFT p99 s':>11} {'decode tok/s':>13} "
+    print(f"{'setup':16} {'TTFT mean s':>12} {'TTFT p99 s':>11} {'decode tok/s':>13} "
           f"{'peak batch':>11} {'same text':>10} "
           + " ".join(f"{title:>{w}}" for _, title, w in columns))
     for setup, p in points.items():
         cells = [f"{p.get(k):>{w}.3f}" if isinstance(p.get(k), float) else f"{'-':>{w}}"
                  for k, _, w in columns]
-        print(f"{setup:13} {p['ttft_mean_s']:12.3f} {p['ttft_p99_s']:11.3f} "
+        print(f"{setup:16} {p['ttft_mean_s']:12.3f} {p['ttft_p99_s']:11.3f} "
               f"{p['decode_tok_s']:13.1f} {p['peak_batch']:11.0f} "
               f"{p['same_text']:>4}/{len(first):<5} " + " ".join(cells))
     for setup, reason in failed.items():
-        print(f"{setup:13} failed: {reason}")
+        print(f"{setup:16} failed: {reason}")
     print(json.dumps({"model": args.model, "context": args.context, "requests": args.requests,
                       "prefill_flags": args.prefill_flags,
                       "max_tokens": args.max_tokens, "flags": extra, "points": points,

@@ -303,6 +303,11 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
+    if pd.role == "decode":
+        @app.get("/v1/kv/timeline")
+        async def kv_timeline(start: float | None = None, end: float | None = None):
+            return service.timeline_window(start, end)
+
     if pd.role == "prefill":
         _holder_routes(app, service)
 

@@ -95,6 +95,14 @@ Every wait has a deadline: an HTTP connection or control message and a NIXL read
 holds up the engine, which keeps stepping the others. Requests already admitted never depend on a
 prefill worker again (their KV is local), so its failure ends no running request.
 
+A decode worker keeps every byte it reads over NIXL (admission reads of either transfer mode and
+the decode-host cache's reads; completed transfers, as the byte counters below count them) on a
+bandwidth timeline (``kv/timeline.py``: 10 ms bins, the last hour), each transfer's bytes spread
+over the time from its start to when its completion was seen; ``GET
+/v1/kv/timeline?start=S&end=E`` (under ``/v1``) answers the bins between two times of its
+monotonic clock (``now`` in every answer: ask once without ``start`` to learn it), from which a
+benchmark takes the link's mean and 99th-percentile rate over its load.
+
 /metrics (decode worker, each labelled ``worker`` = the URL of the worker read from, or for the
 prefill histogram asked):
 ``oasiskv_pd_admission_bytes`` (bytes moved at admission; ``oasiskv_pd_handoff_bytes`` those of
@@ -118,6 +126,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import math
 import os
 import time
 import uuid
@@ -138,6 +147,7 @@ from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 from oasiskv.kv.remote import RemoteReader, RemoteReadError, RemoteStore, Transfer
 from oasiskv.kv.summaries import SummaryMirror
+from oasiskv.kv.timeline import ByteTimeline
 from oasiskv.kv.tiered import configured_host_blocks
 from oasiskv.models.loader import resolve_model_path
 from oasiskv.sampling_params import SamplingParams
@@ -822,9 +832,9 @@ class _CacheReader:
     a deadline)."""
 
     def __init__(self, host: HostCache, descriptor_of, timeout_s: float,
-                 registry: CollectorRegistry):
+                 registry: CollectorRegistry, timeline: ByteTimeline):
         self.reader = RemoteReader(host, _agent_name("decode-cache"), timeout_s)
-        self.descriptor_of = descriptor_of
+        self.descriptor_of, self.timeline = descriptor_of, timeline
         self._failed_at: dict[str, float] = {}  # worker URL -> its last failed read
         by_worker = ["worker"]
         self._reads = Counter("oasiskv_pd_cache_reads", "NIXL transfers of the decode-host "
@@ -869,8 +879,10 @@ class _CacheReader:
         exc.unsettled = transfer is not None and not transfer.settled
 
     def landed(self, url: str, start: float, nbytes: int) -> None:
-        self._latency.labels(url).observe(time.monotonic() - start)
+        end = time.monotonic()
+        self._latency.labels(url).observe(end - start)
         self._bytes.labels(url).inc(nbytes)
+        self.timeline.add(start, end, nbytes)
 
     def close(self) -> None:
         self.reader.close()
@@ -930,8 +942,11 @@ class DecodeRouter:
         #: worker that holds them, under the lease kept (and renewed) while any block names it
         self.cache = host if isinstance(host, HostCache) else None
         self.leases = _Leases(timeout_s)
+        #: every byte read over NIXL (admission, the decode-host cache's reads), per time bin
+        self.timeline = ByteTimeline()
         if self.cache is not None:
-            self.cache.reader = _CacheReader(self.cache, self._descriptor_of, timeout_s, registry)
+            self.cache.reader = _CacheReader(self.cache, self._descriptor_of, timeout_s, registry,
+                                             self.timeline)
             registry.register(_CacheCollector(self.cache))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
@@ -1001,6 +1016,25 @@ class DecodeRouter:
         await self.puller.close()
         if self.cache is not None:
             self.cache.reader.close()
+
+    def timeline_window(self, start: float | None = None, end: float | None = None) -> dict:
+        """``GET /v1/kv/timeline``: ``now`` (this server's monotonic clock, which ``start`` and
+        ``end`` are in), ``bin_s``, ``kept_s`` and ``bytes_total`` (every byte read over NIXL so
+        far); with ``start``, the bins from ``start`` to ``end`` (default: now): ``start`` (the
+        first bin's), ``bins`` (bytes each) and ``bytes`` (their sum). ``APIError(400)`` for an
+        interval that is not one up to now, or no longer kept."""
+        now, t = time.monotonic(), self.timeline
+        answer = {"now": now, "bin_s": t.bin_s, "kept_s": t.kept_s, "bytes_total": t.total}
+        if start is None:
+            return answer
+        end = now if end is None else end
+        try:
+            if not (math.isfinite(start) and math.isfinite(end)):
+                raise ValueError("start and end must be finite")
+            first, bins = t.window(start, end, now)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="start") from None
+        return answer | {"start": first, "bins": bins.tolist(), "bytes": float(bins.sum())}
 
     def _descriptor_of(self, url: str) -> bytes | None:
         """The KV store descriptor of the worker at ``url`` (read from the engine thread)."""
@@ -1265,8 +1299,10 @@ class DecodeRouter:
         except BaseException:
             self._failures.labels(url).inc()
             raise
-        self._latency.labels(url).observe(time.monotonic() - start)
+        end = time.monotonic()
+        self._latency.labels(url).observe(end - start)
         self._bytes.labels(url).inc(nbytes)
+        self.timeline.add(start, end, nbytes)
 
     async def _read(self, url: str, peer: str, imp: Import, src: list[int]) -> None:
         """Blocks ``src`` of the worker at ``url`` into the import's missing blocks, one

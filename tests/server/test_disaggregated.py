@@ -4,9 +4,10 @@ workers and a decode worker serving the fixture target, the prompt KV moved by r
 
 With K covering every block, the decode worker answers token for token as a single-node server; it
 reads exactly the complete prompt blocks it did not hold (counted in bytes on /metrics, against
-sizes computed here), and none of a prefix it already holds; a killed prefill worker is marked down
-and its prompts go to the other one; with none left a long prompt gets an OpenAI-shaped 503 while a
-prompt shorter than a block (nothing to move) is still served, and the decode worker stays up. A
+sizes computed here, and on its bandwidth timeline), and none of a prefix it already holds; a
+killed prefill worker is marked down and its prompts go to the other one; with none left a long
+prompt gets an OpenAI-shaped 503 while a prompt shorter than a block (nothing to move) is still
+served, and the decode worker stays up. A
 prefill worker that never answers holds up only the prompt sent to it, until its deadline: then it
 is marked down, the prompt goes to the other worker, and a stream running meanwhile never stops.
 A prefill worker paused with SIGSTOP (UCX on TCP only) stalls only the decode-host cache's request
@@ -57,6 +58,26 @@ def pd_metrics(server: ServerProcess) -> dict[str, float]:
     return totals
 
 
+def timeline(server: ServerProcess, start: float | None = None) -> dict:
+    """A decode worker's bandwidth timeline (``GET /v1/kv/timeline``), from ``start`` (its clock)
+    to now when given."""
+    resp = httpx.get(server.url + "/v1/kv/timeline", timeout=5,
+                     params={} if start is None else {"start": start})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def assert_timeline_holds(server: ServerProcess, start: float, nixl_bytes: float) -> None:
+    """Every byte the decode worker's counters say it read over NIXL is on its timeline, in the
+    bins since ``start`` (one for each ``bin_s`` up to now, idle ones included)."""
+    t = timeline(server, start)
+    assert t["bytes_total"] == pytest.approx(nixl_bytes) and nixl_bytes > 0
+    assert t["bytes"] == pytest.approx(nixl_bytes) and sum(t["bins"]) == pytest.approx(t["bytes"])
+    assert t["start"] - 1e-9 <= start < t["start"] + t["bin_s"]
+    assert abs(len(t["bins"]) - (t["now"] - start) / t["bin_s"]) <= 2
+    assert min(t["bins"]) == 0.0 and max(t["bins"]) > 0  # (idle between reads)
+
+
 def block_bytes(fixtures_path) -> int:
     """K and V of one host block, every layer and kv head, float32."""
     cfg = json.loads((fixtures_path / "target" / "config.json").read_text())
@@ -82,6 +103,7 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
                                "--prefill-url", a.url, "--prefill-url", b.url,
                                "--local-prefill-blocks", "1")
         servers.append(decode)
+        since = timeline(decode)["now"]
         got = [answer(complete(decode, ids)) for ids in prompts[:1]]  # the shared prefix first
         with ThreadPoolExecutor(3) as pool:
             got += [answer(r) for r in pool.map(lambda ids: complete(decode, ids), prompts[1:])]
@@ -99,6 +121,7 @@ def test_prefill_and_decode_workers_serve_the_single_node_tokens(tmp_path, fixtu
             m["oasiskv_pd_remote_read_failures_total"] == 0)
         assert m["oasiskv_pd_remote_read_seconds_count"] == 4
         assert m["oasiskv_pd_remote_prefill_seconds_count"] == 4
+        assert_timeline_holds(decode, since, m["oasiskv_pd_admission_bytes_total"])
         # the prefill workers split the prompts and released every lease
         exported = [s.metrics() for s in (a, b)]
         assert sum(e["oasiskv_pd_blocks_exported_total"] for e in exported) == sum(blocks)
@@ -556,7 +579,8 @@ def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_pat
     as a single node, a prompt of whole blocks too; later selections read the blocks they want,
     and every lease is released once the requests end. When the prefill worker dies mid-decode,
     the handed-off requests end with an error once they need a block only it had; a request with
-    nothing there goes on, and the decode worker stays up."""
+    nothing there goes on, and the decode worker stays up. Its bandwidth timeline holds every byte
+    read over NIXL, at admission and during decode."""
     rng = random.Random(11)
     prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (1000, 992, 700)]
     flags = ("--topk-blocks", "2", "--draft", "ngram", "--host-kv-gib", "0.05")
@@ -565,6 +589,7 @@ def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_pat
     decode = launch("decode-partial", *flags, "--role", "decode", "--prefill-url", prefill.url,
                     "--f-host", "0.25", "--pd-transfer", "partial")
     want = [answer(complete(single, ids, 48)) for ids in prompts]
+    since = timeline(decode)["now"]
     with ThreadPoolExecutor(3) as pool:
         got = [answer(r) for r in pool.map(lambda ids: complete(decode, ids, 48), prompts)]
     assert got == want
@@ -581,6 +606,11 @@ def test_a_handed_off_prompt_decodes_the_single_node_tokens(launch, fixtures_pat
     assert m["oasiskv_pd_admission_bytes_total"] < full / 4
     assert m["oasiskv_pd_cache_misses_total"] > 0 and m["oasiskv_pd_cache_read_bytes_total"] > 0
     assert m["oasiskv_pd_cache_read_failures_total"] == 0
+    # on the timeline: the reads at admission (the last blocks, the summaries) and during decode
+    assert_timeline_holds(decode, since, m["oasiskv_pd_admission_bytes_total"] - handoff
+                          + m["oasiskv_pd_cache_read_bytes_total"])
+    resp = httpx.get(decode.url + "/v1/kv/timeline", params={"start": since, "end": since + 3600})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "start"
     assert released(prefill)
 
     kill_mid_decode(decode, single, prefill, rng)
