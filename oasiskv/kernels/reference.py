@@ -23,7 +23,8 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (or strided views of that shape,
     e.g. a layer of the host store), written in place with values cast to their dtype; slot =
     ``block_id * block_size + offset``; negative slots are skipped. 8-bit caches: rows quantised
-    with ``scales`` ``(k_scale, v_scale)`` ``[num_blocks, num_kv_heads, block_size]`` written too.
+    (``quantize_rows(..., search=True)``) with ``scales`` ``(k_scale, v_scale)`` ``[num_blocks,
+    num_kv_heads, block_size]`` written too.
     """
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
@@ -34,7 +35,8 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         if scales is None:
             cache[blk, :, off] = x[keep].to(cache.dtype)
         else:
-            cache[blk, :, off], scales[i][blk, :, off] = quantize_rows(x[keep], cache.dtype)
+            cache[blk, :, off], scales[i][blk, :, off] = quantize_rows(x[keep], cache.dtype,
+                                                                       search=True)
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.fp8 import INT8, MIN_AMAX, QUANT_MAX, check_scales
+from oasiskv.kernels.fp8 import (FP8, INT8, MIN_AMAX, QUANT_MAX, SCALE_STEPS, check_scales,
+                                 scale_steps)
 
 
 @triton.jit
@@ -41,32 +42,57 @@ def _round_to_integer(x):
 
 
 @triton.jit
-def _store_rows(x_ptr, cache_ptr, scale_ptr, cache_off, scale_off, mask, row_mask,
+def _e4m3_at(x, scale, QMAX: tl.constexpr):
+    """float32 rows ``x`` ``[BLOCK_H, BLOCK_D]`` at the row scales ``scale`` ``[BLOCK_H]`` ->
+    (the e4m3 values, as float32; each row's squared error, float64: exact differences, so the
+    order of the sum barely matters)."""
+    q = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -QMAX), QMAX))
+    err = q.to(tl.float64) * scale[:, None].to(tl.float64) - x.to(tl.float64)
+    return q, tl.sum(err * err, 1)
+
+
+@triton.jit
+def _store_rows(x_ptr, cache_ptr, scale_ptr, steps_ptr, cache_off, scale_off, mask, row_mask,
                 QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr,
-                INT: tl.constexpr):
+                INT: tl.constexpr, STEPS: tl.constexpr):
     """Store rows ``[BLOCK_H, BLOCK_D]`` (``mask``) into the cache: cast, or (QUANT) quantised per
     row to e4m3, or (INT) to int8, with QMAX the format's largest value, its scale written at
-    ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask`` (``kernels/fp8.py``)."""
+    ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask`` (``kernels/fp8.py``). e4m3 rows take the
+    scale of the STEPS multipliers at ``steps_ptr`` that leaves the least squared error
+    (``quantize_rows(..., search=True)``; the first of equal ones)."""
     x = tl.load(x_ptr, mask=mask, other=0.0)
     if QUANT:
         x = x.to(tl.float32)
         # IEEE divisions: the torch reference rounds the same way
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), MIN_AMAX), QMAX)[:, None]
-        x = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
-        x = _round_to_integer(x) if INT else _round_to_e4m3(x)
-        tl.store(scale_ptr + scale_off, scale, mask=row_mask)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), MIN_AMAX), QMAX)
+        if INT:
+            x = _round_to_integer(tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -QMAX),
+                                             QMAX))
+        else:
+            base = scale
+            q, cost = _e4m3_at(x, base, QMAX)
+            for j in tl.static_range(1, STEPS):
+                step_scale = base * tl.load(steps_ptr + j)
+                q_j, cost_j = _e4m3_at(x, step_scale, QMAX)
+                better = cost_j < cost
+                q = tl.where(better[:, None], q_j, q)
+                scale = tl.where(better, step_scale, scale)
+                cost = tl.where(better, cost_j, cost)
+            x = q
+        tl.store(scale_ptr + scale_off, scale[:, None], mask=row_mask)
     tl.store(cache_ptr + cache_off, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, steps_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kch, stride_vcb, stride_vch, stride_cs,
     stride_sb, stride_sh,
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr, INT: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
     """One program per token: copies its ``[num_heads, head_dim]`` K and V rows into the cache
     slot (QUANT: as 8-bit rows with their scales)."""
@@ -80,11 +106,11 @@ def _store_kv_kernel(
     in_blk = off * stride_cs + dims
     scale_off = blk * stride_sb + heads * stride_sh + off
     _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, k_cache_ptr,
-                k_scale_ptr, blk * stride_kcb + heads * stride_kch + in_blk, scale_off, mask,
-                row_mask, QMAX, MIN_AMAX, QUANT, INT)
+                k_scale_ptr, steps_ptr, blk * stride_kcb + heads * stride_kch + in_blk, scale_off,
+                mask, row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS)
     _store_rows(v_ptr + tok * stride_vn + heads * stride_vh + dims, v_cache_ptr,
-                v_scale_ptr, blk * stride_vcb + heads * stride_vch + in_blk, scale_off, mask,
-                row_mask, QMAX, MIN_AMAX, QUANT, INT)
+                v_scale_ptr, steps_ptr, blk * stride_vcb + heads * stride_vch + in_blk, scale_off,
+                mask, row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -100,7 +126,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     non-negative slots leave an unspecified one of the duplicates in the cache. 8-bit caches
     (``float8_e4m3fn``, ``int8``) come with ``scales``: float32 ``(k_scale, v_scale)``, the
     caches' shape without the last dim (same strides for both), last-dim stride 1: each row is
-    quantised with its own scale (``kernels/fp8.py``). Does not synchronize; CUDA-graph capturable.
+    quantised with its own scale (``kernels/fp8.py``; e4m3 rows with the searched one,
+    ``quantize_rows(..., search=True)``). Does not synchronize; CUDA-graph capturable.
     """
     n, num_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -119,7 +146,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if n == 0:
         return
     _store_kv_kernel[(n,)](
-        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, scale_steps(k.device),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
@@ -128,5 +155,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         QMAX=QUANT_MAX.get(k_cache.dtype, 1.0), MIN_AMAX=MIN_AMAX, QUANT=scales is not None,
-        INT=k_cache.dtype == INT8,
+        INT=k_cache.dtype == INT8, STEPS=SCALE_STEPS if k_cache.dtype == FP8 else 1,
     )
