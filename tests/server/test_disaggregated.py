@@ -12,7 +12,10 @@ prefill worker that never answers holds up only the prompt sent to it, until its
 is marked down, the prompt goes to the other worker, and a stream running meanwhile never stops.
 A prefill worker paused with SIGSTOP (UCX on TCP only) stalls only the decode-host cache's request
 whose evicted blocks it holds, which then ends with the tokens of a decode worker keeping every
-block, while a stream with nothing there goes on."""
+block, while a stream with nothing there goes on. A prefill worker killed mid-decode ends the
+decode-host cache's requests whose evicted blocks it held with an error naming it (a 500, or an
+OpenAI-shaped error event and then ``[DONE]`` on a stream); the others go on, and no block or
+host row stays held."""
 import json
 import random
 import shutil
@@ -415,29 +418,72 @@ def test_a_busy_or_refusing_prefill_worker_is_not_marked_down(tmp_path, fixtures
             s.stop()
 
 
+def streamed(server: ServerProcess, ids: list[int], max_tokens: int) -> tuple[list[str],
+                                                                             dict | None]:
+    """A streamed completion of ``ids``, read to its end: its tokens and its error (None when it
+    finished). A stream is its chunks, an OpenAI-shaped error event after them when it failed
+    (then no chunk says why it finished), and ``data: [DONE]`` last."""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "logprobs": 1, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line]
+    assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    error = chunks.pop()["error"] if chunks and "error" in chunks[-1] else None
+    assert all("error" not in c for c in chunks)
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    if error is None:
+        assert reasons[-1] == "length" and not any(reasons[:-1]), reasons
+    else:
+        assert set(error) == {"message", "type", "param", "code"} and not any(reasons), reasons
+    return [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]], error
+
+
+def assert_kv_lost(error: dict, worker: ServerProcess) -> None:
+    """``error`` (a 500's, or a stream's error event) ends a request whose KV blocks could not
+    be read from ``worker`` (named in it)."""
+    assert error["type"] == "server_error", error
+    assert "KV blocks" in error["message"] and worker.url in error["message"], error
+
+
+def labelled(server: ServerProcess, name: str, worker: ServerProcess) -> float:
+    """The sample of ``name`` labelled with ``worker``'s URL on ``server``'s /metrics (0 when
+    there is none yet)."""
+    for line in httpx.get(server.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'{name}{{worker="{worker.url}"}} '):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def kill_mid_decode(decode: ServerProcess, reference: ServerProcess, prefill: ServerProcess,
                     rng: random.Random) -> None:
-    """Two long prompts through ``decode`` (whose blocks ``prefill`` holds) and a short one (less
-    than a block: nothing there) run; ``prefill`` is killed: the long ones end with an error once
-    they need a block only it had, the short one ends as on ``reference``, and ``decode`` stays
-    up with no request running."""
+    """Two long prompts through ``decode`` (whose blocks ``prefill`` holds), one answered whole
+    and one streamed, and a short one (less than a block: nothing there) run; ``prefill`` is
+    killed: the long ones end with an error naming it once they need a block only it had (a
+    500; on the stream an error event, then ``[DONE]``), the short one ends as on ``reference``,
+    and ``decode`` stays up with no request running, every block free and no host row given
+    up."""
     fresh = [[rng.randrange(5, 4000) for _ in range(1000)] for _ in range(2)]
     short = [7, 8, 9, 10, 11]
     want_short = answer(complete(reference, short, 600))
+    rows = pd_metrics(decode)["oasiskv_pd_cache_rows"]
     with ThreadPoolExecutor(3) as pool:
-        doomed = [pool.submit(complete, decode, ids, 900) for ids in fresh]
+        doomed = pool.submit(complete, decode, fresh[0], 900)
+        doomed_stream = pool.submit(streamed, decode, fresh[1], 900)
         alive = pool.submit(complete, decode, short, 600)
-        deadline = time.monotonic() + 60
-        while (decode.metrics()["oasiskv_num_requests_running"] < 3
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
+        until(lambda: decode.metrics()["oasiskv_num_requests_running"] == 3)
         prefill.stop(signal.SIGKILL)
-        for future in doomed:
-            resp = future.result()
-            assert resp.status_code == 500, resp.text
-            assert "KV blocks" in resp.json()["error"]["message"]
+        resp = doomed.result()
+        assert resp.status_code == 500, resp.text
+        assert_kv_lost(resp.json()["error"], prefill)
+        tokens, error = doomed_stream.result()
+        assert error is not None, len(tokens)
+        assert_kv_lost(error, prefill)
         assert answer(alive.result()) == want_short
-    assert pd_metrics(decode)["oasiskv_pd_cache_read_failures_total"] > 0
+    m = pd_metrics(decode)
+    assert m["oasiskv_pd_cache_read_failures_total"] > 0
+    assert m["oasiskv_pd_cache_rows"] == rows
     assert decode.wait_idle()["oasiskv_num_requests_running"] == 0
 
 
