@@ -12,7 +12,11 @@ prefill worker that never answers holds up only the prompt sent to it, until its
 is marked down, the prompt goes to the other worker, and a stream running meanwhile never stops.
 A prefill worker paused with SIGSTOP (UCX on TCP only) stalls only the decode-host cache's request
 whose evicted blocks it holds, which then ends with the tokens of a decode worker keeping every
-block, while a stream with nothing there goes on."""
+block, while a stream with nothing there goes on. A prefill or memory worker killed mid-decode
+ends exactly the requests of a decode-host cache whose evicted blocks it held (a 500, or an
+OpenAI-shaped error event and then ``[DONE]`` on a stream); the others go on with the single-node
+tokens, no block, host row or working-set slot stays held, and a memory worker found dead is not
+offloaded to again."""
 import json
 import random
 import shutil
@@ -415,29 +419,72 @@ def test_a_busy_or_refusing_prefill_worker_is_not_marked_down(tmp_path, fixtures
             s.stop()
 
 
+def streamed(server: ServerProcess, ids: list[int], max_tokens: int) -> tuple[list[str],
+                                                                             dict | None]:
+    """A streamed completion of ``ids``, read to its end: its tokens and its error (None when it
+    finished). A stream is its chunks, an OpenAI-shaped error event after them when it failed
+    (then no chunk says why it finished), and ``data: [DONE]`` last."""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "logprobs": 1, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line]
+    assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    error = chunks.pop()["error"] if chunks and "error" in chunks[-1] else None
+    assert all("error" not in c for c in chunks)
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    if error is None:
+        assert reasons[-1] == "length" and not any(reasons[:-1]), reasons
+    else:
+        assert set(error) == {"message", "type", "param", "code"} and not any(reasons), reasons
+    return [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]], error
+
+
+def assert_kv_lost(error: dict, worker: ServerProcess) -> None:
+    """``error`` (a 500's, or a stream's error event) ends a request whose KV blocks could not
+    be read from ``worker`` (named in it)."""
+    assert error["type"] == "server_error", error
+    assert "KV blocks" in error["message"] and worker.url in error["message"], error
+
+
+def labelled(server: ServerProcess, name: str, worker: ServerProcess) -> float:
+    """The sample of ``name`` labelled with ``worker``'s URL on ``server``'s /metrics (0 when
+    there is none yet)."""
+    for line in httpx.get(server.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'{name}{{worker="{worker.url}"}} '):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def kill_mid_decode(decode: ServerProcess, reference: ServerProcess, prefill: ServerProcess,
                     rng: random.Random) -> None:
-    """Two long prompts through ``decode`` (whose blocks ``prefill`` holds) and a short one (less
-    than a block: nothing there) run; ``prefill`` is killed: the long ones end with an error once
-    they need a block only it had, the short one ends as on ``reference``, and ``decode`` stays
-    up with no request running."""
+    """Two long prompts through ``decode`` (whose blocks ``prefill`` holds), one answered whole
+    and one streamed, and a short one (less than a block: nothing there) run; ``prefill`` is
+    killed: the long ones end with an error naming it once they need a block only it had (a
+    500; on the stream an error event, then ``[DONE]``), the short one ends as on ``reference``,
+    and ``decode`` stays up with no request running, every block free and no host row given
+    up."""
     fresh = [[rng.randrange(5, 4000) for _ in range(1000)] for _ in range(2)]
     short = [7, 8, 9, 10, 11]
     want_short = answer(complete(reference, short, 600))
+    rows = pd_metrics(decode)["oasiskv_pd_cache_rows"]
     with ThreadPoolExecutor(3) as pool:
-        doomed = [pool.submit(complete, decode, ids, 900) for ids in fresh]
+        doomed = pool.submit(complete, decode, fresh[0], 900)
+        doomed_stream = pool.submit(streamed, decode, fresh[1], 900)
         alive = pool.submit(complete, decode, short, 600)
-        deadline = time.monotonic() + 60
-        while (decode.metrics()["oasiskv_num_requests_running"] < 3
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
+        until(lambda: decode.metrics()["oasiskv_num_requests_running"] == 3)
         prefill.stop(signal.SIGKILL)
-        for future in doomed:
-            resp = future.result()
-            assert resp.status_code == 500, resp.text
-            assert "KV blocks" in resp.json()["error"]["message"]
+        resp = doomed.result()
+        assert resp.status_code == 500, resp.text
+        assert_kv_lost(resp.json()["error"], prefill)
+        tokens, error = doomed_stream.result()
+        assert error is not None, len(tokens)
+        assert_kv_lost(error, prefill)
         assert answer(alive.result()) == want_short
-    assert pd_metrics(decode)["oasiskv_pd_cache_read_failures_total"] > 0
+    m = pd_metrics(decode)
+    assert m["oasiskv_pd_cache_read_failures_total"] > 0
+    assert m["oasiskv_pd_cache_rows"] == rows
     assert decode.wait_idle()["oasiskv_num_requests_running"] == 0
 
 
@@ -567,6 +614,93 @@ def test_a_slow_remote_stalls_only_the_requests_that_read_from_it(launch, tmp_pa
     assert cache.wait_idle()["oasiskv_num_requests_running"] == 0
     assert released(prefill)
     for name in ("decode-cache", "prefill"):
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
+
+
+def test_a_dead_memory_worker_ends_only_the_requests_whose_kv_it_held(launch, tmp_path,
+                                                                     fixtures_path):
+    """A decode-host cache (--f-host 0.25, full transfer) reads evicted blocks again from the
+    worker it imported them from. The prefill worker keeps the first prompt's blocks (room
+    enough) and offloads the next two prompts' to a memory worker (--offload-below-blocks between
+    one and two prompts' blocks free); the memory worker is killed while the three decode: the
+    two whose blocks it held end with an error naming it once they need one of them (a 500; on
+    the stream an error event, then ``[DONE]``), the first streams on, never stalled, reading
+    from the prefill worker, with the single-node tokens. No host block, host row or working-set
+    slot stays held, and the prefill worker's leases are released. The dead memory worker is
+    marked down: a prompt the prefill worker would offload stays there and decodes the
+    single-node tokens."""
+    rng = random.Random(17)
+    kept, answered, streamed_off = [[rng.randrange(5, 4000) for _ in range(1000)]
+                                    for _ in range(3)]
+    held = 999 // BLOCK  # complete blocks of each prompt before its last token
+    total = int(0.05 * 2**30) // block_bytes(fixtures_path)  # (the prefill worker's host store)
+    flags = ("--topk-blocks", "2", "--draft", "ngram", "--host-kv-gib", "0.05")
+    single = launch("single", *flags)
+    memory = launch("memory", *flags, "--role", "memory")
+    prefill = launch("prefill", *flags, "--role", "prefill", "--memory-url", memory.url,
+                     "--offload-below-blocks", str(total - held - held // 2))
+    decode = launch("decode", *flags, "--role", "decode", "--prefill-url", prefill.url,
+                    "--f-host", "0.25", "--remote-stall-ms", "0")
+    short = [7, 8, 9, 10, 11]
+
+    def slots_in_use() -> float:  # (HBM of the last step of a short request: its working set)
+        answer(complete(decode, short, 2))
+        return decode.metrics()["oasiskv_kv_step_hbm_bytes_in_use"]
+    hbm, rows = slots_in_use(), pd_metrics(decode)["oasiskv_pd_cache_rows"]
+
+    arrivals, got, done = [], [], threading.Event()
+    survivor = threading.Thread(target=stream, args=(decode, kept, 1000, arrivals, got, done))
+    survivor.start()
+    until(lambda: len(arrivals) >= 1)  # (admitted: its blocks held on the prefill worker)
+    with ThreadPoolExecutor(2) as pool:
+        doomed = pool.submit(complete, decode, answered, 900)
+        doomed_stream = pool.submit(streamed, decode, streamed_off, 900)
+        until(lambda: decode.metrics()["oasiskv_num_requests_running"] == 3
+              and labelled(decode, "oasiskv_pd_cache_reads_total", memory) > 0)
+        p = pd_metrics(prefill)
+        assert p["oasiskv_pd_blocks_exported_total"] == held
+        assert p["oasiskv_pd_blocks_offloaded_total"] == 2 * held
+        reads = labelled(decode, "oasiskv_pd_cache_reads_total", prefill)
+        memory.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        resp = doomed.result()
+        assert resp.status_code == 500, resp.text
+        assert_kv_lost(resp.json()["error"], memory)
+        tokens, error = doomed_stream.result()
+        assert error is not None, len(tokens)
+        assert_kv_lost(error, memory)
+    # the survivor goes on reading from the prefill worker
+    until(lambda: labelled(decode, "oasiskv_pd_cache_reads_total", prefill) > reads
+          and len([t for t in arrivals if t > killed]) >= 20)
+    assert survivor.is_alive()  # (not finished yet: it ran through the whole fault)
+    done.set()
+    survivor.join(120)
+    after = [t for t in arrivals if t >= killed]
+    gaps = [b - a for a, b in zip(after, after[1:])]
+    assert max(gaps) < 1.5, gaps
+    assert got == answer(complete(single, kept, len(got)))[1]
+    assert labelled(decode, "oasiskv_pd_cache_read_failures_total", memory) > 0
+    assert labelled(decode, "oasiskv_pd_cache_read_failures_total", prefill) == 0
+    assert decode.wait_idle()["oasiskv_num_requests_running"] == 0
+    assert pd_metrics(decode)["oasiskv_pd_cache_rows"] == rows  # (no row given up)
+    assert slots_in_use() == hbm
+    assert released(prefill)
+
+    # the prefill worker short of room again (a lease held here): it finds the memory worker
+    # down and keeps the new prompt's blocks, which the decode worker reads from it
+    lease = httpx.post(prefill.url + "/v1/kv/prefill", json={"prompt_token_ids": kept},
+                       timeout=60).json()
+    assert len(lease["blocks"]) == held and "worker" not in lease
+    fresh = [rng.randrange(5, 4000) for _ in range(800)]
+    imported = labelled(decode, "oasiskv_pd_blocks_imported_total", prefill)
+    assert answer(complete(decode, fresh, 8)) == answer(complete(single, fresh, 8))
+    assert labelled(decode, "oasiskv_pd_blocks_imported_total", prefill) == imported + 799 // BLOCK
+    assert pd_metrics(prefill)["oasiskv_pd_blocks_offloaded_total"] == 2 * held
+    assert f"memory worker {memory.url} failed" in prefill.log_path.read_text()
+    httpx.post(prefill.url + "/v1/kv/release", json={"lease": lease["lease"]})
+    assert released(prefill)
+    assert decode.wait_idle()["oasiskv_num_requests_running"] == 0
+    for name in ("decode", "prefill"):
         assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
 
 
