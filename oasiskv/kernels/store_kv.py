@@ -42,13 +42,22 @@ def _round_to_integer(x):
 
 
 @triton.jit
-def _e4m3_at(x, scale, QMAX: tl.constexpr):
-    """float32 rows ``x`` ``[BLOCK_H, BLOCK_D]`` at the row scales ``scale`` ``[BLOCK_H]`` ->
-    (the e4m3 values, as float32; each row's squared error, float64: exact differences, so the
-    order of the sum barely matters)."""
-    q = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -QMAX), QMAX))
-    err = q.to(tl.float64) * scale[:, None].to(tl.float64) - x.to(tl.float64)
-    return q, tl.sum(err * err, 1)
+def _searched_e4m3(x, base, steps_ptr, QMAX: tl.constexpr, STEPS: tl.constexpr):
+    """float32 rows ``x`` ``[BLOCK_H, BLOCK_D]`` with their plain scales ``base`` ``[BLOCK_H]`` ->
+    (e4m3 values as float32, scales): every candidate scale ``base * steps[j]`` is tried at once
+    (``[BLOCK_H, STEPS, BLOCK_D]``) and each row keeps the first of those with the least squared
+    error (float64: the differences are exact, so the order of the sum barely matters), as
+    ``quantize_rows(..., search=True)``."""
+    j = tl.arange(0, STEPS)
+    scales = base[:, None] * tl.load(steps_ptr + j)[None, :]  # [BLOCK_H, STEPS]
+    x3 = x[:, None, :]
+    q = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x3, scales[:, :, None]), -QMAX), QMAX))
+    err = q.to(tl.float64) * scales[:, :, None].to(tl.float64) - x3.to(tl.float64)
+    best = tl.argmin(tl.sum(err * err, 2), 1, tie_break_left=True)  # [BLOCK_H]
+    pick = j[None, :] == best[:, None]
+    # the chosen values' bits (a float sum would turn a value rounded to -0 into +0)
+    bits = tl.sum(tl.where(pick[:, :, None], q.to(tl.int32, bitcast=True), 0), 1)
+    return bits.to(tl.float32, bitcast=True), tl.sum(tl.where(pick, scales, 0.0), 1)
 
 
 @triton.jit
@@ -57,28 +66,18 @@ def _store_rows(x_ptr, cache_ptr, scale_ptr, steps_ptr, cache_off, scale_off, ma
                 INT: tl.constexpr, STEPS: tl.constexpr):
     """Store rows ``[BLOCK_H, BLOCK_D]`` (``mask``) into the cache: cast, or (QUANT) quantised per
     row to e4m3, or (INT) to int8, with QMAX the format's largest value, its scale written at
-    ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask`` (``kernels/fp8.py``). e4m3 rows take the
-    scale of the STEPS multipliers at ``steps_ptr`` that leaves the least squared error
-    (``quantize_rows(..., search=True)``; the first of equal ones)."""
+    ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask`` (``kernels/fp8.py``). STEPS > 1 (e4m3): the
+    scale is searched among the STEPS multipliers at ``steps_ptr`` (``_searched_e4m3``)."""
     x = tl.load(x_ptr, mask=mask, other=0.0)
     if QUANT:
         x = x.to(tl.float32)
         # IEEE divisions: the torch reference rounds the same way
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), MIN_AMAX), QMAX)
-        if INT:
-            x = _round_to_integer(tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -QMAX),
-                                             QMAX))
+        if STEPS > 1:
+            x, scale = _searched_e4m3(x, scale, steps_ptr, QMAX, STEPS)
         else:
-            base = scale
-            q, cost = _e4m3_at(x, base, QMAX)
-            for j in tl.static_range(1, STEPS):
-                step_scale = base * tl.load(steps_ptr + j)
-                q_j, cost_j = _e4m3_at(x, step_scale, QMAX)
-                better = cost_j < cost
-                q = tl.where(better[:, None], q_j, q)
-                scale = tl.where(better, step_scale, scale)
-                cost = tl.where(better, cost_j, cost)
-            x = q
+            x = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -QMAX), QMAX)
+            x = _round_to_integer(x) if INT else _round_to_e4m3(x)
         tl.store(scale_ptr + scale_off, scale[:, None], mask=row_mask)
     tl.store(cache_ptr + cache_off, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -94,11 +93,11 @@ def _store_kv_kernel(
     QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr, INT: tl.constexpr,
     STEPS: tl.constexpr,
 ):
-    """One program per token: copies its ``[num_heads, head_dim]`` K and V rows into the cache
-    slot (QUANT: as 8-bit rows with their scales)."""
+    """Program ``(token, h)`` copies the token's K and V rows of heads ``h * BLOCK_H`` ..
+    ``(h + 1) * BLOCK_H - 1`` into its cache slot (QUANT: as 8-bit rows with their scales)."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)[:, None]
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     row_mask = (heads < num_heads) & (slot >= 0)
     mask = row_mask & (dims < head_dim)
@@ -145,15 +144,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k_scale.stride() == v_scale.stride()
     if n == 0:
         return
-    _store_kv_kernel[(n,)](
+    # e4m3: the scale search's candidates fill a program of one row each; else a token's rows
+    steps = SCALE_STEPS if k_cache.dtype == FP8 else 1
+    block_h = 1 if steps > 1 else triton.next_power_of_2(num_heads)
+    _store_kv_kernel[(n, triton.cdiv(num_heads, block_h))](
         k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, scale_steps(k.device),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
         num_heads, head_dim,
-        BLOCK_SIZE=k_cache.shape[2],
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[2], BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim),
         QMAX=QUANT_MAX.get(k_cache.dtype, 1.0), MIN_AMAX=MIN_AMAX, QUANT=scales is not None,
-        INT=k_cache.dtype == INT8, STEPS=SCALE_STEPS if k_cache.dtype == FP8 else 1,
+        INT=k_cache.dtype == INT8, STEPS=steps,
     )
