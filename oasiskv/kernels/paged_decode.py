@@ -32,11 +32,13 @@ _NORM_FLOOR = tl.constexpr(2.0 ** -40)
 # iteration ahead (INDEX_AHEAD), which lets 3 stages pipeline: 128-token tiles, 3 stages, 2.5%
 # faster at 46 x 32K and 8% at 128 x 32K than 64 / 2 without (docs/benchmarks.md §15; the same
 # loading order costs 16-bit caches 3-5%; with whole tiles and fp16 P.V, 128 / 4 / 3 is still
-# the fastest of the sweep in §17). 8-bit sparse decode too: 128 / 4 / 3 is 22% faster than
-# 64 / 4 / 2 over FP8 working sets of the 128 x 32K tiered point (K = 128, drafts, open blocks;
-# §26).
+# the fastest of the sweep in §17; 1-2 warps per program are no faster, §29). 8-bit sparse decode
+# over the FP8 working sets of the 128 x 32K tiered point (K = 128, drafts, open blocks): 32-token
+# tiles, one warp per program, 3 stages, 37% faster than 128 / 4 / 3 (0.158 against 0.252 ms per
+# layer, §29; 128 / 4 / 3 was 22% faster than 64 / 4 / 2, §26).
 _LAUNCH = (64, 4, 2)
 _LAUNCH_8BIT = (128, 4, 3)
+_LAUNCH_8BIT_SPARSE = (32, 1, 3)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -440,11 +442,16 @@ def fp16_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
     return quantized(cache.dtype) and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def launch_config(launch: tuple[int, int, int] | None = None,
-                  quantized: bool = False) -> tuple[int, int, int]:
-    """(tokens per iteration, warps, stages) for paged and sparse decode: ``launch`` when given (a
-    kernel benchmark's sweep), else the tuned one (``quantized``: over an 8-bit cache)."""
-    return launch or (_LAUNCH_8BIT if quantized else _LAUNCH)
+def launch_config(launch: tuple[int, int, int] | None = None, quantized: bool = False,
+                  sparse: bool = False) -> tuple[int, int, int]:
+    """(tokens per iteration, warps, stages) for paged and (``sparse``) sparse decode: ``launch``
+    when given (a kernel benchmark's sweep), else the tuned one (``quantized``: over an 8-bit
+    cache or working set)."""
+    if launch:
+        return launch
+    if quantized:
+        return _LAUNCH_8BIT_SPARSE if sparse else _LAUNCH_8BIT
+    return _LAUNCH
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
