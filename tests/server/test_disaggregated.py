@@ -448,6 +448,17 @@ def assert_kv_lost(error: dict, worker: ServerProcess) -> None:
     assert "KV blocks" in error["message"] and worker.url in error["message"], error
 
 
+def assert_both_lost_kv(doomed, doomed_stream, worker: ServerProcess) -> None:
+    """The futures of a plain and a streamed request whose KV ``worker`` held: a 500, and a
+    stream that ended on an error event, each naming ``worker`` (``assert_kv_lost``)."""
+    resp = doomed.result()
+    assert resp.status_code == 500, resp.text
+    assert_kv_lost(resp.json()["error"], worker)
+    tokens, error = doomed_stream.result()
+    assert error is not None, len(tokens)
+    assert_kv_lost(error, worker)
+
+
 def labelled(server: ServerProcess, name: str, worker: ServerProcess) -> float:
     """The sample of ``name`` labelled with ``worker``'s URL on ``server``'s /metrics (0 when
     there is none yet)."""
@@ -475,12 +486,7 @@ def kill_mid_decode(decode: ServerProcess, reference: ServerProcess, prefill: Se
         alive = pool.submit(complete, decode, short, 600)
         until(lambda: decode.metrics()["oasiskv_num_requests_running"] == 3)
         prefill.stop(signal.SIGKILL)
-        resp = doomed.result()
-        assert resp.status_code == 500, resp.text
-        assert_kv_lost(resp.json()["error"], prefill)
-        tokens, error = doomed_stream.result()
-        assert error is not None, len(tokens)
-        assert_kv_lost(error, prefill)
+        assert_both_lost_kv(doomed, doomed_stream, prefill)
         assert answer(alive.result()) == want_short
     m = pd_metrics(decode)
     assert m["oasiskv_pd_cache_read_failures_total"] > 0
@@ -663,12 +669,7 @@ def test_a_dead_memory_worker_ends_only_the_requests_whose_kv_it_held(launch, tm
         reads = labelled(decode, "oasiskv_pd_cache_reads_total", prefill)
         memory.stop(signal.SIGKILL)
         killed = time.monotonic()
-        resp = doomed.result()
-        assert resp.status_code == 500, resp.text
-        assert_kv_lost(resp.json()["error"], memory)
-        tokens, error = doomed_stream.result()
-        assert error is not None, len(tokens)
-        assert_kv_lost(error, memory)
+        assert_both_lost_kv(doomed, doomed_stream, memory)
     # the survivor goes on reading from the prefill worker
     until(lambda: labelled(decode, "oasiskv_pd_cache_reads_total", prefill) > reads
           and len([t for t in arrivals if t > killed]) >= 20)
