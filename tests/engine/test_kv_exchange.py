@@ -1,6 +1,7 @@
 """Moving a prompt's complete blocks between two tiered engines (``kv/exchange.py``), the bytes
 copied here by hand (the NIXL transport has its own tests): the importing engine prefills only the
-rest of the prompt and decodes the tokens one engine decodes alone, with K covering every block; a
+rest of the prompt and decodes the tokens one engine decodes alone from the same prefix cached
+(8-bit KV: the stored rows), with K covering every block; a
 prefix it already holds is not read again; holds never leak; a full host store refuses with nothing
 held."""
 import pytest
@@ -24,15 +25,27 @@ def exchange(llm) -> KVExchange:
     return KVExchange(llm.engine.runner.backend)
 
 
+def cached_prefix_tokens(llm, ids: list[int], shared: int) -> list[int]:
+    """``llm``'s greedy tokens for ``ids`` once its prefix cache holds the first ``shared`` (whole
+    blocks), as an importing engine holds them: the rest is prefilled over the cached prefix (with
+    8-bit KV: the stored rows, as the importer reads them, not the exact ones a single prefill
+    attends)."""
+    llm.generate([ids[:shared + 1]], SamplingParams(max_tokens=1))
+    before = llm.engine.stats.prompt_tokens_total
+    tokens = llm.generate([ids], GREEDY)[0].token_ids
+    assert llm.engine.stats.prompt_tokens_total - before == len(ids) - shared
+    return tokens
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_imported_prefix_decodes_the_single_engine_tokens(tiny, kv_cache_dtype):
     batch = prompts(3, lo=60, hi=150, seed=11)
     alone = LLM(str(tiny), kv_cache_dtype=kv_cache_dtype, **TIER)
-    want = [o.token_ids for o in alone.generate(batch, GREEDY)]
+    B = exchange(alone).allocator.block_size
+    want = [cached_prefix_tokens(alone, ids, (len(ids) - 1) // B * B) for ids in batch]
     prefill = LLM(str(tiny), kv_cache_dtype=kv_cache_dtype, **TIER)
     decode = LLM(str(tiny), kv_cache_dtype=kv_cache_dtype, **TIER)
     src, dst = exchange(prefill), exchange(decode)
-    B = src.allocator.block_size
     for ids, tokens in zip(batch, want):
         offered = prefill_and_export(prefill, ids)
         assert len(offered) == (len(ids) - 1) // B  # the whole shareable prefix, held
