@@ -130,18 +130,19 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8,
 def _searched_e4m3(x: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows(x, FP8, search=True)`` for float32 rows ``x`` and their plain scales
     ``base``."""
-    best = None
-    for step in scale_steps(x.device):
+    def at(step: torch.Tensor):  # (values, scale, squared error) at the scale base * step
         scale = base * step
         q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        cost = (q.double() * scale.double()[..., None] - x.double()).square().sum(-1)
-        if best is None:
-            best = [q, scale, cost]
-            continue
-        better = cost < best[2]
-        best = [torch.where(better[..., None], as_bytes(q), as_bytes(best[0])).view(FP8),
-                torch.where(better, scale, best[1]), torch.where(better, cost, best[2])]
-    return best[0], best[1]
+        return q, scale, (q.double() * scale.double()[..., None] - x.double()).square().sum(-1)
+
+    steps = scale_steps(x.device)
+    q, scale, cost = at(steps[0])
+    for step in steps[1:]:
+        q_j, scale_j, cost_j = at(step)
+        better = cost_j < cost  # (strictly: the first of equal ones stays)
+        q = torch.where(better[..., None], as_bytes(q_j), as_bytes(q)).view(FP8)
+        scale, cost = torch.where(better, scale_j, scale), torch.where(better, cost_j, cost)
+    return q, scale
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
