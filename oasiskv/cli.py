@@ -62,7 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          f"pip install 'oasiskv[server]'")
     pd = Disaggregation(args.role, tuple(args.prefill_url), args.remote_timeout,
                         args.prefill_timeout, args.local_prefill_blocks, tuple(args.memory_url),
-                        args.offload_below_blocks, args.pd_transfer)
+                        args.offload_below_blocks, args.pd_transfer,
+                        args.emulated_read_latency_ms / 1e3)
     if pd.transfer == "partial" and pd.role == "decode" and args.f_host >= 1.0:
         raise SystemExit("--pd-transfer partial needs a decode-host cache (--f-host < 1): the "
                          "prompt's blocks stay on the prefill worker until selected")
@@ -168,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "most N of its complete blocks are missing from this worker's prefix "
                           "cache (a repeated prompt, a chat's next turn); 0 = only when none is "
                           "(default: 0)")
+    srv.add_argument("--emulated-read-latency-ms", type=float, default=0.0, metavar="MS",
+                     help="TESTS AND BENCHMARKS: --role decode: no NIXL read is seen complete "
+                          "sooner than MS milliseconds after its start, as over a slower link "
+                          "(its bytes may land sooner); below --remote-timeout (default: 0, off)")
     srv.add_argument("--emulated-host-gib", type=float, default=0.0, metavar="GIB",
                      help="BENCHMARK ONLY (random weights): --role prefill or both, --kv-mode "
                           "oasis: admit as if the host store held GIB; requests share its "

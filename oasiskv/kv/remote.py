@@ -13,7 +13,9 @@ side by side), so the misses of a layer across requests cost one transfer. Every
 deadline: ``Transfer.wait`` raises ``TimeoutError`` past it (a stopped or slow peer) and
 ``RemoteReadError`` when the transfer fails (a dead peer, NIXL's own errors), and cancels it
 either way; until NIXL agrees to the cancel (``Transfer.settled``) its destination may still be
-written. A descriptor is JSON (data only). A reader
+written. A reader given an emulated latency (``latency_s``) sees no transfer complete sooner than
+that after its start: a slower link on one host, where UCX reads a peer's memory directly and a
+read is mostly complete by its first poll. A descriptor is JSON (data only). A reader
 counts what it moves (``ReadStats``: transfers, bytes, units, failures and each completed
 transfer's latency) for /metrics.
 
@@ -134,9 +136,13 @@ class Transfer:
     cancelled with NIXL's consent. A caller that gives up on it (a deadline) must keep them out of
     use until then (``cancel`` again, or poll ``done``)."""
 
-    def __init__(self, agent, handle, peer: str, deadline: float, stats: ReadStats):
+    def __init__(self, agent, handle, peer: str, deadline: float, stats: ReadStats,
+                 latency_s: float = 0.0):
+        """``latency_s``: it is not seen complete sooner than that after now (an emulated
+        latency: its bytes may land sooner)."""
         self._agent, self._handle, self.peer, self.deadline = agent, handle, peer, deadline
         self._stats, self._start = stats, time.monotonic()
+        self.ready_at = self._start + latency_s  #: (monotonic s) not seen complete before
         self._failed = False
 
     @property
@@ -145,8 +151,8 @@ class Transfer:
         return self._handle is None
 
     def done(self) -> bool:
-        """Whether it completed; raises ``RemoteReadError`` if it failed (NIXL's own errors too,
-        e.g. its peer removed)."""
+        """Whether it completed (and ``ready_at`` passed); raises ``RemoteReadError`` if it failed
+        (NIXL's own errors too, e.g. its peer removed)."""
         if self._handle is None:
             if self._failed:
                 raise RemoteReadError(f"a read from {self.peer} failed")
@@ -160,7 +166,7 @@ class Transfer:
         if state == "ERR":
             self._fail()
             raise RemoteReadError(f"a read from {self.peer} failed{why}")
-        if state == "DONE":
+        if state == "DONE" and time.monotonic() >= self.ready_at:
             self.cancel()  # (releases the finished handle)
             self._stats.latencies.append(time.monotonic() - self._start)
             return True
@@ -201,11 +207,14 @@ class Transfer:
 class RemoteReader:
     """Reads units of KV from ``RemoteStore`` peers into ``local`` (same layout, its own block
     ids), as NIXL agent ``name``; with ``summaries`` (a ``SummaryMirror``, its staging rows) also
-    the summaries a peer's mirror holds (``read_summaries``)."""
+    the summaries a peer's mirror holds (``read_summaries``). ``latency_s``: no transfer is seen
+    complete sooner than that after its start (an emulated slower link, for tests and benchmarks);
+    below ``timeout_s``."""
 
-    def __init__(self, local: HostStore, name: str, timeout_s: float = 5.0, summaries=None):
+    def __init__(self, local: HostStore, name: str, timeout_s: float = 5.0, summaries=None,
+                 latency_s: float = 0.0):
         nixl_agent, nixl_agent_config = _nixl()
-        self.local, self.name, self.timeout_s = local, name, timeout_s
+        self.local, self.name, self.timeout_s, self.latency_s = local, name, timeout_s, latency_s
         self.summaries = summaries
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         self._registered = self.agent.register_memory(
@@ -314,7 +323,7 @@ class RemoteReader:
         self.stats.bytes += nbytes
         self.stats.units += int(src.size)
         transfer = Transfer(self.agent, handle, peer, time.monotonic() + self.timeout_s,
-                            self.stats)
+                            self.stats, self.latency_s)
         if state == "ERR":
             transfer.done()
         return transfer

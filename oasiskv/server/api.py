@@ -152,7 +152,9 @@ class Disaggregation:
     ``memory_urls`` when fewer than ``offload_below_blocks`` host blocks would stay free (None:
     one prompt of the longest length). ``transfer``: what a decode worker reads at admission,
     ``full`` (every complete prompt block) or ``partial`` (a handoff: the last block, summaries,
-    the prefill's last hidden state and queries)."""
+    the prefill's last hidden state and queries). ``read_latency_s`` (a decode worker; tests and
+    benchmarks): no NIXL read is seen complete sooner than that after its start, as over a slower
+    link; below ``remote_timeout_s``."""
     role: str = "both"
     prefill_urls: tuple[str, ...] = ()
     remote_timeout_s: float = 10.0
@@ -161,6 +163,7 @@ class Disaggregation:
     memory_urls: tuple[str, ...] = ()
     offload_below_blocks: int | None = None
     transfer: str = "full"
+    read_latency_s: float = 0.0
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode", "memory"):
@@ -175,6 +178,11 @@ class Disaggregation:
             raise ValueError("--memory-url is for --role prefill")
         if self.offload_below_blocks is not None and not self.memory_urls:
             raise ValueError("--offload-below-blocks needs a --memory-url")
+        if not 0.0 <= self.read_latency_s < self.remote_timeout_s:
+            raise ValueError("--emulated-read-latency-ms must be >= 0 and below --remote-timeout, "
+                             f"got {self.read_latency_s * 1e3:g} ms")
+        if self.read_latency_s and self.role != "decode":
+            raise ValueError("--emulated-read-latency-ms is for --role decode")
         for flag, value in (("--local-prefill-blocks", self.local_prefill_blocks),
                             ("--offload-below-blocks", self.offload_below_blocks or 0)):
             if value < 0:
@@ -269,7 +277,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     if pd.role == "decode":
         service = disagg.DecodeRouter(bridge, list(pd.prefill_urls), metrics.registry, api_key,
                                       pd.remote_timeout_s, pd.prefill_timeout_s,
-                                      pd.local_prefill_blocks, pd.transfer)
+                                      pd.local_prefill_blocks, pd.transfer, pd.read_latency_s)
         serving.admit = service.admit
     elif pd.role == "prefill":
         service = disagg.PrefillService(bridge, metrics.registry, pd.memory_urls,

@@ -93,7 +93,11 @@ error.
 Every wait has a deadline: an HTTP connection or control message and a NIXL read
 ``--remote-timeout``, a prefill answer ``--prefill-timeout``; a prompt waiting for its KV never
 holds up the engine, which keeps stepping the others. Requests already admitted never depend on a
-prefill worker again (their KV is local), so its failure ends no running request.
+prefill worker again (their KV is local), so its failure ends no running request. With
+``--emulated-read-latency-ms`` (tests, benchmarks) a decode worker sees none of its NIXL reads
+complete sooner than that after its start, as over a slower link than one host's shared memory
+(where a read is mostly complete by its first poll), so that its decode-host cache's reads take
+longer than a step waits for them (a shorter ``--remote-stall-ms``).
 
 A decode worker keeps every byte it reads over NIXL (admission reads of either transfer mode and
 the decode-host cache's reads; completed transfers, as the byte counters below count them) on a
@@ -832,8 +836,9 @@ class _CacheReader:
     a deadline)."""
 
     def __init__(self, host: HostCache, descriptor_of, timeout_s: float,
-                 registry: CollectorRegistry, timeline: ByteTimeline):
-        self.reader = RemoteReader(host, _agent_name("decode-cache"), timeout_s)
+                 registry: CollectorRegistry, timeline: ByteTimeline, latency_s: float = 0.0):
+        self.reader = RemoteReader(host, _agent_name("decode-cache"), timeout_s,
+                                   latency_s=latency_s)
         self.descriptor_of, self.timeline = descriptor_of, timeline
         self._failed_at: dict[str, float] = {}  # worker URL -> its last failed read
         by_worker = ["worker"]
@@ -917,12 +922,14 @@ class DecodeRouter:
     def __init__(self, bridge: AsyncEngine, urls: list[str], registry: CollectorRegistry,
                  api_key: str | None = None, timeout_s: float = 10.0,
                  prefill_timeout_s: float = 300.0, local_prefill_blocks: int = 0,
-                 transfer: str = "full"):
+                 transfer: str = "full", read_latency_s: float = 0.0):
         """``timeout_s``: deadline of a NIXL read and of an HTTP connection or control message;
         ``prefill_timeout_s``: of a prefill worker's answer (it prefills the prompt first); a
         prompt with at most ``local_prefill_blocks`` complete blocks this worker does not hold is
         prefilled here. ``urls``: at least one (``server.api.Disaggregation`` checks the
-        flags). ``transfer``: ``full`` or ``partial`` (handoffs: needs a decode-host cache)."""
+        flags). ``transfer``: ``full`` or ``partial`` (handoffs: needs a decode-host cache).
+        ``read_latency_s``: no NIXL read is seen complete sooner than that after its start (an
+        emulated slower link)."""
         self.bridge, self.timeout_s, self.prefill_timeout_s = bridge, timeout_s, prefill_timeout_s
         self.local_prefill_blocks, self.transfer = local_prefill_blocks, transfer
         self.exchange = _exchange(bridge)
@@ -933,7 +940,8 @@ class DecodeRouter:
                         if transfer == "partial" else None)
         self._staging_lock = asyncio.Lock()
         self._staging_broken = False  # a failed read may still write into it: never used again
-        reader = RemoteReader(kv.host, _agent_name("decode"), timeout_s, self.staging)
+        reader = RemoteReader(kv.host, _agent_name("decode"), timeout_s, self.staging,
+                              read_latency_s)
         self.puller = _Puller(bridge, self.exchange, reader, timeout_s)
         self.workers = [_Worker(url.rstrip("/")) for url in urls]
         self.holders: dict[str, _Worker] = {}  # the memory workers prefill workers named
@@ -946,7 +954,7 @@ class DecodeRouter:
         self.timeline = ByteTimeline()
         if self.cache is not None:
             self.cache.reader = _CacheReader(self.cache, self._descriptor_of, timeout_s, registry,
-                                             self.timeline)
+                                             self.timeline, read_latency_s)
             registry.register(_CacheCollector(self.cache))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None

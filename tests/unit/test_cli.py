@@ -75,3 +75,16 @@ def test_cpu_threads_one_for_small_steps_every_core_for_large_ones():
         assert all(t == 2 for _, t in threads_per_step(LLM(cpu_threads=2), "x"))
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_emulated_read_latency_is_for_decode_workers_and_below_the_read_deadline(capsys):
+    pytest.importorskip("fastapi", reason="serve needs the server extras")
+    decode = ["serve", "--role", "decode", "--prefill-url", "http://127.0.0.1:1"]
+    for argv, why in ((["serve", "--role", "prefill", "--emulated-read-latency-ms", "5"],
+                       "is for --role decode"),
+                      (decode + ["--emulated-read-latency-ms", "-1"], "must be >= 0"),
+                      (decode + ["--remote-timeout", "1", "--emulated-read-latency-ms", "1000"],
+                       "below --remote-timeout, got 1000 ms")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --emulated-read-latency-ms") and why in err, err

@@ -1,7 +1,8 @@
 """A NIXL transfer's bookkeeping (``kv/remote.py`` ``Transfer``), its agent replaced by a stand-in
 that answers as NIXL does (pure logic; the real agents are in tests/engine/test_remote_kv.py): an
 error NIXL raises is a failed read, a transfer NIXL refuses to abort stays unsettled (its
-destination may still be written), and one past its deadline is cancelled and counted."""
+destination may still be written), one past its deadline is cancelled and counted, and one given
+an emulated latency is not seen complete before that passes."""
 import time
 
 import pytest
@@ -25,9 +26,9 @@ class Agent:
         self.released += 1
 
 
-def transfer(agent, deadline=60.0):
+def transfer(agent, deadline=60.0, latency=0.0):
     stats = ReadStats()
-    return Transfer(agent, object(), "peer", time.monotonic() + deadline, stats), stats
+    return Transfer(agent, object(), "peer", time.monotonic() + deadline, stats, latency), stats
 
 
 def test_done_then_settled_and_timed():
@@ -59,3 +60,12 @@ def test_past_the_deadline_cancelled_but_unsettled_while_nixl_refuses():
     assert t.cancel() and t.settled
     t.check_deadline()  # settled: nothing to time out any more
     assert stats.failed == 1
+
+
+def test_an_emulated_latency_holds_a_completed_transfer_until_it_passes():
+    t, stats = transfer(Agent(["DONE"] * 2), latency=30.0)
+    assert not t.done() and not t.done() and not t.settled  # (NIXL says DONE)
+    assert not stats.latencies
+    t, stats = transfer(Agent(["DONE"]), latency=0.01)
+    time.sleep(0.01)
+    assert t.done() and t.settled and stats.latencies[0] >= 0.01
