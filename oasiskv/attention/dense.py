@@ -27,7 +27,7 @@ from oasiskv.engine.forward_batch import ForwardBatch, to_device_many
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.kernels.dispatch import kernel
 from oasiskv.kernels.fp8 import (OpenBlocks, as_bytes, dequantize, empty_kv, quantized, row_bytes,
-                                 storage_dtype)
+                                 storage_dtype, v_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class DenseBackend(SlotBackend):
             cache = (self.k_cache, self.v_cache)[j][layer]
             rows = as_bytes(cache)[blocks].view(cache.dtype)
             if scales is not None:
-                rows = dequantize(rows, scales[j][blocks]).to(self.dtype)
+                rows = dequantize(v_rows(rows) if j else rows, scales[j][blocks]).to(self.dtype)
             if step is not None and prefix % bs:
                 rows[-1] = (self.open_k, self.open_v)[j][layer][step.slots[i].long()]
             return rows.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :prefix]

@@ -1,8 +1,9 @@
 """Micro-benchmarks of decode-side kernels (GPU only).
 
 ``python -m oasiskv.bench.kernels [--kv-cache-dtype auto|fp8|int8] [--batches 8,24]
-[--contexts 32768]``: ``paged_decode_attention`` against torch SDPA on contiguous KV. Shape:
-Qwen3-8B attention (32 q heads, 8 kv heads, head_dim 128, bf16 queries, block 16), batch
+[--contexts 32768] [--block-size 16]``: ``paged_decode_attention`` against torch SDPA on
+contiguous KV. Shape: Qwen3-8B attention (32 q heads, 8 kv heads, head_dim 128, bf16 queries,
+blocks of 16 tokens unless told), batch
 1/8/24/32/48/64 x context 4K/16K/32K (all rows the full context; combos whose paged cache plus its
 contiguous copy would exceed ``_MAX_BYTES`` are skipped). ``fp8`` / ``int8``: the cache is 8-bit
 with per-row scales (SDPA still reads the bf16 original). Times are medians from
@@ -72,16 +73,16 @@ def _launch_ms(fn, launch: tuple[int, int, int]) -> float | None:
 
 
 def _bench_one(batch: int, context: int, kv: torch.dtype | None,
-               sweep_launch: bool = False) -> dict:
-    """Time one (batch, context) point, the cache in ``kv`` (8-bit) or bf16 (None); returns ms and
-    GB/s for the kernel and SDPA."""
-    from oasiskv.kernels.fp8 import quantize_rows, row_bytes
+               sweep_launch: bool = False, block_size: int = BLOCK_SIZE) -> dict:
+    """Time one (batch, context) point, the cache in ``kv`` (8-bit) or bf16 (None), in blocks of
+    ``block_size`` tokens; returns ms and GB/s for the kernel and SDPA."""
+    from oasiskv.kernels.fp8 import quantize_rows, row_bytes, stored_v
     from oasiskv.kernels.paged_decode import default_num_splits, paged_decode_attention
 
     dev = torch.device("cuda")
-    blocks_per_row = context // BLOCK_SIZE
+    blocks_per_row = context // block_size
     num_blocks = batch * blocks_per_row
-    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM)
     k_cache = torch.empty(shape, dtype=DTYPE, device=dev).normal_()
     v_cache = torch.empty(shape, dtype=DTYPE, device=dev).normal_()
     tables = torch.randperm(num_blocks, device=dev).to(torch.int32).view(batch, blocks_per_row)
@@ -92,7 +93,7 @@ def _bench_one(batch: int, context: int, kv: torch.dtype | None,
     stored, scales = (k_cache, v_cache), None
     if kv is not None:
         (kq, ks), (vq, vs) = quantize_rows(k_cache, kv), quantize_rows(v_cache, kv)
-        stored, scales = (kq, vq), (ks, vs)
+        stored, scales = (kq, stored_v(vq)), (ks, vs)
 
     def attend(**kw):
         return paged_decode_attention(q, *stored, tables, lens, scale, out=out,  # noqa: F821
@@ -103,7 +104,7 @@ def _bench_one(batch: int, context: int, kv: torch.dtype | None,
     wave = next(iter(_waves.values()), None)
     sweep = {s: _graph_median_ms(lambda s=s: attend(num_splits=s))
              for s in SWEEP_SPLITS
-             if s <= blocks_per_row * BLOCK_SIZE // 256 and context == SWEEP_CONTEXT}
+             if s <= blocks_per_row * block_size // 256 and context == SWEEP_CONTEXT}
     best = min(sweep, key=sweep.get) if sweep else 1
     launches = {}
     if sweep_launch:
@@ -129,7 +130,7 @@ def _bench_one(batch: int, context: int, kv: torch.dtype | None,
         HEAD_DIM, kv or DTYPE)
     sdpa_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * q.element_size()
     return {"batch": batch, "context": context,
-            "splits": default_num_splits(batch, NUM_KV_HEADS, blocks_per_row, BLOCK_SIZE,
+            "splits": default_num_splits(batch, NUM_KV_HEADS, blocks_per_row, block_size,
                                          wave or 512),
             "wave": wave, "best_splits": best if sweep else None,
             "best_gbps": kv_bytes / sweep.get(best, ms) / 1e6,
@@ -280,6 +281,8 @@ def main() -> None:
                         help="--scores: summaries in the model's dtype (bf16) or FP8")
     parser.add_argument("--sparse", action="store_true",
                         help="the sparse decode benchmark (its launch configs) instead")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help="tokens per KV block of the paged benchmark")
     parser.add_argument("--sweep-launch", action="store_true",
                         help="also time each launch config in LAUNCHES at the first point")
     args = parser.parse_args()
@@ -299,7 +302,7 @@ def main() -> None:
         return
     rows = []
     print(f"paged_decode_attention: {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, head_dim {HEAD_DIM}, "
-          f"bf16 q, {str(kv or DTYPE).removeprefix('torch.')} cache, block {BLOCK_SIZE}, on "
+          f"bf16 q, {str(kv or DTYPE).removeprefix('torch.')} cache, block {args.block_size}, on "
           f"{torch.cuda.get_device_name()}")
     print(f"{'batch':>5} {'context':>7} {'splits':>6} {'ms':>8} {'GB/s':>7} {'best s':>6} "
           f"{'best GB/s':>9} {'sdpa ms':>8} {'sdpa GB/s':>9}")
@@ -309,7 +312,7 @@ def main() -> None:
                            * torch.finfo(DTYPE).bits // 8)
             if 2 * cache_bytes > _MAX_BYTES:
                 continue
-            r = _bench_one(batch, context, kv, args.sweep_launch and not rows)
+            r = _bench_one(batch, context, kv, args.sweep_launch and not rows, args.block_size)
             rows.append(r)
             print(f"{batch:>5} {context:>7} {r['splits']:>6} {r['ms']:>8.4f} {r['gbps']:>7.0f} "
                   f"{str(r['best_splits'] or '-'):>6} {r['best_gbps']:>9.0f} {r['sdpa_ms']:>8.4f} "
@@ -319,7 +322,7 @@ def main() -> None:
     print(json.dumps({"bench": "paged_decode_attention", "num_q_heads": NUM_Q_HEADS,
                       "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                       "kv_cache_dtype": args.kv_cache_dtype,
-                      "block_size": BLOCK_SIZE, "device": torch.cuda.get_device_name(),
+                      "block_size": args.block_size, "device": torch.cuda.get_device_name(),
                       "results": rows}))
 
 

@@ -16,6 +16,17 @@ is needed. Cost: 4 bytes per ``head_dim`` bytes (3% at head_dim 128). Scales liv
 in tensors of the same leading shape without the last dimension (a cache ``[N, Hk, B, D]`` has
 scales ``[N, Hk, B]``) and travel with them (the UVA gather copies both).
 
+The V layout: 8-bit V storage keeps each block's bytes token-minor. A tensor of 8-bit V rows
+has the shape of its K twin (``[..., B, D]``, B tokens of D values per block, the last two dims
+contiguous), but value (t, d) of a block lives at byte ``d * B + t`` of it (``v_rows`` views it
+in token order; ``stored_v`` writes rows so). Why: decode multiplies the weights ``[G, B]`` by the
+values ``[B, D]``, a dot that reduces over tokens, and a tensor-core operand pairs neighbouring
+tokens of one dimension in a register. Stored token-major, 8-bit values reach those pairs only
+one byte per shared-memory load (16-bit values have a transposing matrix load, bytes have none);
+token-minor, they load as words, and with 32-token blocks FP8 paged decode reads 3.8 TB/s where it
+read 2.9 (docs/benchmarks.md section 30). Whole blocks move as bytes (host store, working sets,
+transfers), so nothing else sees the order. Scales keep one per token, in token order.
+
 Open blocks (``kv_open_block=model``): e4m3's flips of the model's top-1 sit mostly in the query's
 own block, the most recent 1-16 tokens (docs/benchmarks.md section 24: keeping those exact takes a
 bf16 model from 1.6-2.2 points of top-1 disagreement with bf16 dense to 0.7-0.8). So beside an
@@ -143,6 +154,22 @@ def _searched_e4m3(x: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, t
         q = torch.where(better[..., None], as_bytes(q_j), as_bytes(q)).view(FP8)
         scale, cost = torch.where(better, scale_j, scale), torch.where(better, cost_j, cost)
     return q, scale
+
+
+def v_rows(stored: torch.Tensor) -> torch.Tensor:
+    """8-bit V storage ``[..., B, D]`` (each block's bytes in the V layout: ``[D, B]``) -> its rows
+    in token order ``[..., B, D]``, a view (reads and writes go through to ``stored``, whose last
+    two dims must be contiguous)."""
+    *lead, block, dim = stored.shape
+    return stored.view(*lead, dim, block).transpose(-1, -2)
+
+
+def stored_v(rows: torch.Tensor) -> torch.Tensor:
+    """8-bit V rows ``[..., B, D]`` in token order -> a new contiguous tensor holding them in the V
+    layout (``v_rows`` of it gives ``rows`` back)."""
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    as_bytes(v_rows(out)).copy_(as_bytes(rows))
+    return out
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -32,12 +32,15 @@ _NORM_FLOOR = tl.constexpr(2.0 ** -40)
 # iteration ahead (INDEX_AHEAD), which lets 3 stages pipeline: 128-token tiles, 3 stages, 2.5%
 # faster at 46 x 32K and 8% at 128 x 32K than 64 / 2 without (docs/benchmarks.md §15; the same
 # loading order costs 16-bit caches 3-5%; with whole tiles and fp16 P.V, 128 / 4 / 3 is still
-# the fastest of the sweep in §17; 1-2 warps per program are no faster, §29). 8-bit sparse decode
+# the fastest of the sweep in §17; 1-2 warps per program are no faster, §29). With 8-bit values in
+# the V layout (``fp8.v_rows``) 64-token tiles of 2 warps and 3 stages are the fastest: 0.814 ms
+# per layer at 46 x 32K in 32-token blocks, 0.998 in 16-token blocks, where 128 / 4 / 3 took 0.88
+# and 1.09 (§30). 8-bit sparse decode
 # over the FP8 working sets of the 128 x 32K tiered point (K = 128, drafts, open blocks): 32-token
 # tiles, one warp per program, 3 stages, 37% faster than 128 / 4 / 3 (0.158 against 0.252 ms per
 # layer, §29; 128 / 4 / 3 was 22% faster than 64 / 4 / 2, §26).
 _LAUNCH = (64, 4, 2)
-_LAUNCH_8BIT = (128, 4, 3)
+_LAUNCH_8BIT = (64, 2, 3)
 _LAUNCH_8BIT_SPARSE = (32, 1, 3)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
@@ -55,6 +58,18 @@ def _load_q(q_ptr, q_rows, stride_qb, stride_qh, q_heads, g_mask, offs_d):
     float32 ``[BLOCK_G, HEAD_DIM]`` (masked rows 0)."""
     return tl.load(q_ptr + q_rows[:, None].to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh
                    + offs_d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _v_offsets(tile_off, offs_d, stride_t, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr):
+    """Offsets ``[TILE, HEAD_DIM]`` of value (token ``tile_off``, dim ``offs_d``) inside a block
+    whose tokens lie ``stride_t`` apart; 8-bit (QUANT): in the V layout (``fp8.v_rows``), where
+    the tile loads token-minor, the order its dot reads."""
+    if QUANT:
+        offs = tile_off[:, None] + offs_d[None, :] * BLOCK_SIZE
+    else:
+        offs = tile_off[:, None] * stride_t + offs_d[None, :]
+    return offs
 
 
 @triton.jit
@@ -351,7 +366,7 @@ def _decode_split_kernel(
     bt_row = block_tables_ptr + row.to(tl.int64) * stride_bt
     # Per-token offset inside a block, transposed ([HEAD_DIM, TILE]) so K loads straight as K^T.
     kt_in_block = kv_head * stride_ch + tile_off[None, :] * stride_cs + offs_d[:, None]
-    v_in_block = kv_head * stride_ch + tile_off[:, None] * stride_cs + offs_d[None, :]
+    v_in_block = kv_head * stride_ch + _v_offsets(tile_off, offs_d, stride_cs, BLOCK_SIZE, QUANT)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP16_DOT)
@@ -538,7 +553,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     >= 16. block_tables: int32 ``[B, max_blocks]``; only its first
     ``ceil(context_lens[b] / block_size)`` entries of row b are read. context_lens: int32 ``[B]``,
     each <= max_blocks * block_size; rows with 0 get zeros. scale: softmax scale. out: optional
-    ``[B, num_q_heads, head_dim]`` to write into, else allocated with q's dtype. Splits: by default
+    ``[B, num_q_heads, head_dim]`` to write into, else allocated with q's dtype. An 8-bit
+    ``v_cache`` holds its blocks in the V layout (``fp8.v_rows``). Splits: by default
     ``default_num_splits`` (from the measured wave size), each row dividing its own context among
     them; ``num_splits`` forces the count (still per row); ``blocks_per_split`` forces that many KV
     blocks per split instead. Math is fp32 with K/V upcast; with 16-bit q and caches the dots run as

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, quantize_rows
+from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, quantize_rows, v_rows
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -24,14 +24,14 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     e.g. a layer of the host store), written in place with values cast to their dtype; slot =
     ``block_id * block_size + offset``; negative slots are skipped. 8-bit caches: rows quantised
     (``quantize_rows(..., search=True)``) with ``scales`` ``(k_scale, v_scale)`` ``[num_blocks,
-    num_kv_heads, block_size]`` written too.
+    num_kv_heads, block_size]`` written too, V in the V layout (``fp8.v_rows``).
     """
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // block_size, slots % block_size
     # Advanced indices split by a slice: the selection is [n, num_kv_heads, head_dim].
-    for x, cache, i in ((k, k_cache, 0), (v, v_cache, 1)):
+    for x, cache, i in ((k, k_cache, 0), (v, v_cache if scales is None else v_rows(v_cache), 1)):
         if scales is None:
             cache[blk, :, off] = x[keep].to(cache.dtype)
         else:
@@ -52,7 +52,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     past a row's ``ceil(context_lens[b] / block_size)`` blocks are never used. context_lens:
     ``[B]``; rows with 0 give zeros. out: optional ``[B, num_q_heads, head_dim]`` target, else a new
     tensor of q's dtype. 8-bit caches come with ``scales`` ``[num_blocks, num_kv_heads,
-    block_size]`` each; with ``open_block`` each row's last block comes from its open block
+    block_size]`` each (V in the V layout, ``fp8.v_rows``); with ``open_block`` each row's last
+    block comes from its open block
     (``OpenBlocks``). blocks_per_split and num_splits are accepted for signature parity and
     ignored.
     """
@@ -72,6 +73,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                       block_tables[:, :n_blk].long(), 0)
     tokens = n_blk * block_size
     # [B, n_blk, H, bs, D] -> [B, H, T, D]
+    if scales is not None:
+        v_cache = v_rows(v_cache)
     k, v = (dequantize(cache[ids], None if scales is None else scales[i][ids])
             for i, cache in enumerate((k_cache, v_cache)))  # [B, n_blk, H, bs, D]
     if open_block is not None:
@@ -157,7 +160,8 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     ``ws_map[s, h, j] >= 0`` and the first ``local_lens[n]`` tokens of slot W-1; rows with nothing
     to attend give zeros. draft_rows ``[N]`` (q row of row n's draft, -1 none): a draft row attends
     what its row attends plus its own ``extra_k/extra_v`` ``[Nq, Hk, D]`` entry (nothing for a
-    padding row's draft). 8-bit working sets come with ``scales`` ``[S, Hk, W, B]`` each; with
+    padding row's draft). 8-bit working sets come with ``scales`` ``[S, Hk, W, B]`` each (V in
+    the V layout, ``fp8.v_rows``); with
     ``open_block`` row n's local tokens come from its block ``open_block.slots[n]``. num_splits is
     accepted for signature parity and ignored.
     """
@@ -186,6 +190,8 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     tokens = num_slots * block_size
     valid = (tok_ok & (seq >= 0)[:, None, None, None]).reshape(num_rows, num_kv_heads, tokens)
 
+    if scales is not None:
+        ws_v = v_rows(ws_v)
     k, v = (dequantize(ws[rows], None if scales is None else scales[i][rows])
             for i, ws in enumerate((ws_k, ws_v)))  # [Nq, Hk, W, B, D]
     if open_block is not None:

@@ -103,12 +103,14 @@ def _store_kv_kernel(
     mask = row_mask & (dims < head_dim)
     blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     in_blk = off * stride_cs + dims
+    # 8-bit V in the V layout (kernels/fp8.py): a block's bytes token-minor
+    v_in_blk = off + dims * BLOCK_SIZE if QUANT else in_blk
     scale_off = blk * stride_sb + heads * stride_sh + off
     _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, k_cache_ptr,
                 k_scale_ptr, steps_ptr, blk * stride_kcb + heads * stride_kch + in_blk, scale_off,
                 mask, row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS)
     _store_rows(v_ptr + tok * stride_vn + heads * stride_vh + dims, v_cache_ptr,
-                v_scale_ptr, steps_ptr, blk * stride_vcb + heads * stride_vch + in_blk, scale_off,
+                v_scale_ptr, steps_ptr, blk * stride_vcb + heads * stride_vch + v_in_blk, scale_off,
                 mask, row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS)
 
 
@@ -126,7 +128,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (``float8_e4m3fn``, ``int8``) come with ``scales``: float32 ``(k_scale, v_scale)``, the
     caches' shape without the last dim (same strides for both), last-dim stride 1: each row is
     quantised with its own scale (``kernels/fp8.py``; e4m3 rows with the searched one,
-    ``quantize_rows(..., search=True)``). Does not synchronize; CUDA-graph capturable.
+    ``quantize_rows(..., search=True)``), V in the V layout (``fp8.v_rows``). Does not
+    synchronize; CUDA-graph capturable.
     """
     n, num_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"

@@ -26,7 +26,7 @@ from oasiskv.attention.prefill import prefill_attention
 from oasiskv.config import TierConfig
 from oasiskv.engine.forward_batch import ForwardBatch
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import dequantize, empty_kv, quantized
+from oasiskv.kernels.fp8 import dequantize, empty_kv, quantized, v_rows
 from oasiskv.kv.counters import DeviceCounters
 from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.host_store import HostStore
@@ -230,7 +230,7 @@ class TieredKV:
                      torch.arange(n * heads, device=self.device),
                      scales=None if scales is None else (*self.host.scales, *scales))
         if scales is not None:
-            k, v = (dequantize(x, s).to(lay.dtype) for x, s in zip((k, v), scales))
+            k, v = (dequantize(x, s).to(lay.dtype) for x, s in zip((k, v_rows(v)), scales))
         return tuple(x.view(n, heads, B, D).transpose(0, 1).reshape(heads, -1, D)[:, :length]
                      for x in (k, v))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, empty_kv
+from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, empty_kv, v_rows
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 
@@ -77,7 +77,8 @@ class WorkingSet:
         here)."""
         if self.open_k:
             slots = slots.long()
-            for opened, local, scale in zip((self.open_k, self.open_v), self.local(layer),
+            k_local, v_local = self.local(layer)
+            for opened, local, scale in zip((self.open_k, self.open_v), (k_local, v_rows(v_local)),
                                             self.local_scales(layer)):
                 rows = as_bytes(local)[slots].view(local.dtype)
                 opened[layer][slots] = dequantize(rows, scale[slots]).to(opened[layer].dtype)

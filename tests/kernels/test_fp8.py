@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from oasiskv.kernels.fp8 import FP8, FP8_MAX, INT8, OpenBlocks, dequantize, quantize_rows
+from oasiskv.kernels.fp8 import (FP8, FP8_MAX, INT8, OpenBlocks, dequantize, quantize_rows,
+                                 stored_v, v_rows)
 from oasiskv.kernels.block_scores import block_scores
 from oasiskv.kernels.paged_decode import paged_decode_attention
 from oasiskv.kernels.reference import (block_minmax_ref, block_scores_ref, gather_blocks_ref,
@@ -31,6 +32,12 @@ def quantized(cache, kv=FP8):
     """A ``kv`` copy of a float cache ``[..., D]`` and its scales ``[...]`` (NaN rows keep NaN
     scales)."""
     return quantize_rows(cache, kv)
+
+
+def quantized_v(cache, kv=FP8):
+    """``quantized`` for value rows: the ``kv`` copy in the V layout (``fp8.v_rows``)."""
+    values, scale = quantize_rows(cache, kv)
+    return stored_v(values), scale
 
 
 def blank(shape, kv, device="cpu"):
@@ -82,6 +89,17 @@ def test_scale_search_leaves_each_row_no_more_error_than_the_plain_scale():
                                                  quantize_rows(x, INT8)))
 
 
+def test_the_v_layout_keeps_each_blocks_bytes_token_minor():
+    """Value (t, d) of a block of 8-bit V storage ``[..., B, D]`` is its byte ``d * B + t``:
+    ``stored_v`` writes rows so and ``v_rows`` reads them back."""
+    rows = torch.randint(-127, 128, (3, 2, 16, 8), dtype=torch.int8)
+    stored = stored_v(rows)
+    assert stored.shape == rows.shape and stored.is_contiguous()
+    for t, d in ((0, 0), (5, 3), (15, 7), (1, 6)):
+        assert stored[2, 1].flatten()[d * 16 + t] == rows[2, 1, t, d]
+    assert torch.equal(v_rows(stored), rows)
+
+
 @pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
 def test_store_kv_e4m3_scale_search_many_rows(fn):
     """Many rows of very different magnitudes: the kernel (and its reference) store exactly
@@ -95,7 +113,7 @@ def test_store_kv_e4m3_scale_search_many_rows(fn):
     k_cache, v_cache = (blank((n // block, heads, block, dim), FP8) for _ in range(2))
     scales = tuple(torch.full((n // block, heads, block), NAN) for _ in range(2))
     fn(k, v, k_cache, v_cache, slots, scales=scales)
-    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_rows(v_cache), scales[1])):
         want_q, want_s = quantize_rows(x, FP8, search=True)
         stored = cache.transpose(1, 2).reshape(n, heads, dim)[slots]
         assert torch.equal(bits(stored), bits(want_q))
@@ -138,7 +156,7 @@ def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, kv):
     fn(k, v, k_cache, v_cache, slots, scales=scales)
     keep = slots >= 0
     b, o = slots[keep] // block, slots[keep] % block
-    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_rows(v_cache), scales[1])):
         want_q, want_s = quantize_rows(x[keep], kv, search=True)
         assert torch.equal(bits(cache[b, :, o]), bits(want_q))
         assert torch.equal(scale[b, :, o], want_s)
@@ -153,13 +171,13 @@ def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, kv):
 def test_paged_decode_8_bit_equals_reference_and_dequantized_dense(lens, group, kv):
     q, k_cache, v_cache, tables, ctx = _case(lens, num_kv_heads=2, group=group, head_dim=32,
                                              block_size=16, dtype=torch.float32, seed=3)
-    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized_v(v_cache, kv)
     scale = 1 / math.sqrt(32)
     out = torch.full_like(q, NAN)
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, out=out, num_splits=2,
                                  scales=(ks, vs))
     ref = paged_decode_ref(q, kq, vq, tables, ctx, scale, scales=(ks, vs))
-    dense = _dense(q, dequantize(kq, ks), dequantize(vq, vs), tables, ctx, scale)
+    dense = _dense(q, dequantize(kq, ks), dequantize(v_rows(vq), vs), tables, ctx, scale)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ref.double(), dense, rtol=1e-4, atol=1e-4)
     # and close to attention over the unquantised cache: FP8 moves outputs a few percent at most
@@ -179,7 +197,7 @@ def test_paged_decode_8_bit_over_many_tiles(q_dtype, split, kv):
     q, k_cache, v_cache, tables, ctx = _case([300, 129, 0, 17, 256], num_kv_heads=2, group=2,
                                              head_dim=32, block_size=16, dtype=torch.float32,
                                              seed=21)
-    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized_v(v_cache, kv)
     q = q.to(q_dtype)
     scale = 1 / math.sqrt(32)
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, out=torch.full_like(q, NAN),
@@ -202,7 +220,7 @@ def test_paged_decode_8_bit_ending_on_a_tile_of_zero_value_rows(kv):
     v_cache = v_cache + 1000  # (same sign: the sum grows with the tokens)
     for row in range(2):  # the last block holds tokens 2048..2052: zero value rows
         v_cache[tables[row, 128], :, :5] = 0
-    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized_v(v_cache, kv)
     q = (q * 0.01).to(torch.bfloat16)  # flat attention: the sum is ~ tokens x 1000
     scale = 1 / math.sqrt(32)
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, num_splits=1, scales=(ks, vs))
@@ -218,8 +236,8 @@ def _open_case(lens, kv, q_dtype, device="cpu", heads=2, group=2, dim=32, seed=3
     see)."""
     q, k_cache, v_cache, tables, ctx = _case(lens, num_kv_heads=heads, group=group, head_dim=dim,
                                              block_size=16, dtype=torch.float32, seed=seed)
-    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
-    seen_k, seen_v = dequantize(kq, ks), dequantize(vq, vs)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized_v(v_cache, kv)
+    seen_k, seen_v = dequantize(kq, ks), dequantize(v_rows(vq), vs)
     n = len(lens)
     slots = torch.randperm(n + 2, generator=torch.Generator().manual_seed(seed))[:n].int()
     open_k, open_v = (torch.full((n + 2, heads, 16, dim), NAN, dtype=q_dtype) for _ in range(2))
@@ -269,7 +287,7 @@ def test_paged_decode_8_bit_reads_each_rows_last_block_from_its_open_block(q_dty
 def test_sparse_decode_8_bit_equals_reference(with_draft, kv):
     q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, seed=4)
-    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized(ws_v, kv)
+    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized_v(ws_v, kv)
     extra = {}
     if with_draft:
         gen = torch.Generator().manual_seed(5)
@@ -284,7 +302,7 @@ def test_sparse_decode_8_bit_equals_reference(with_draft, kv):
                                   num_splits=2, scales=(ks, vs), **extra)
     ref = sparse_decode_ref(q, kq, vq, ws_map, seq_slots, local_lens, scale, scales=(ks, vs),
                             **extra)
-    dense = _dense_sparse(q, dequantize(kq, ks), dequantize(vq, vs), ws_map, seq_slots,
+    dense = _dense_sparse(q, dequantize(kq, ks), dequantize(v_rows(vq), vs), ws_map, seq_slots,
                           local_lens, scale, **extra)
     assert got.isfinite().all()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
@@ -299,8 +317,8 @@ def _sparse_open_case(kv, q_dtype, device="cpu", heads=2, group=2, dim=32, num_s
     q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=heads, group=group, head_dim=dim, dtype=torch.float32,
         num_slots=num_slots, seed=seed)
-    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized(ws_v, kv)
-    seen_k, seen_v = dequantize(kq, ks), dequantize(vq, vs)
+    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized_v(ws_v, kv)
+    seen_k, seen_v = dequantize(kq, ks), dequantize(v_rows(vq), vs)
     seqs = ws_k.shape[0]
     gen = torch.Generator().manual_seed(seed)
     of_seq = torch.randperm(seqs + 2, generator=gen)[:seqs].int()
@@ -372,7 +390,7 @@ def test_decode_kernels_with_16_bit_queries_run_16_bit_dots_close_to_the_referen
     gen = torch.Generator().manual_seed(14)
     v_cache = v_cache * 10 ** (v_spread * (2 * torch.rand(v_cache.shape[:-1] + (1,),
                                                             generator=gen) - 1))
-    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized(v_cache, kv)
+    (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized_v(v_cache, kv)
     q = (q * q_gain).to(q_dtype)
     scale = 1 / math.sqrt(32) / q_gain
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, num_splits=2, scales=(ks, vs))
@@ -382,7 +400,7 @@ def test_decode_kernels_with_16_bit_queries_run_16_bit_dots_close_to_the_referen
     cq, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, seed=12)
     ws_v = ws_v * 10 ** (v_spread * (2 * torch.rand(ws_v.shape[:-1] + (1,), generator=gen) - 1))
-    (wk, wks), (wv, wvs) = quantized(ws_k, kv), quantized(ws_v, kv)
+    (wk, wks), (wv, wvs) = quantized(ws_k, kv), quantized_v(ws_v, kv)
     n = len(ROWS)
     gen = torch.Generator().manual_seed(13)
     cq = (torch.cat([cq, torch.randn(1, cq.shape[1], 32, generator=gen)]) * q_gain).to(q_dtype)
@@ -410,7 +428,7 @@ def _close_per_head(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 def test_gather_blocks_moves_8_bit_slices_with_their_scales(fn, kv):
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(dtype=torch.float32,
                                                                            seed=6)
-    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized(host_v, kv)
+    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized_v(host_v, kv)
     wk, wv = ws_k.to(kv), ws_v.to(kv)
     wks, wvs = (torch.full(ws_k.shape[:-1], NAN) for _ in range(2))
     want = [x.clone() for x in (wk, wv, wks, wvs)]
@@ -531,7 +549,7 @@ def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_devi
     cq, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=heads, group=group, head_dim=dim, dtype=torch.float32, num_slots=9,
         seed=8, device=dev)
-    (wk, wks), (wv, wvs) = quantized(ws_k.cpu(), kv), quantized(ws_v.cpu(), kv)
+    (wk, wks), (wv, wvs) = quantized(ws_k.cpu(), kv), quantized_v(ws_v.cpu(), kv)
     got = sparse_decode_attention(cq.bfloat16(), wk.to(dev), wv.to(dev), ws_map, seq_slots,
                                   local_lens, dim ** -0.5, scales=(wks.to(dev), wvs.to(dev)))
     ref = sparse_decode_ref(*cpu(cq.bfloat16()), wk, wv, *cpu(ws_map, seq_slots, local_lens),
@@ -542,7 +560,7 @@ def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_devi
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(
         num_kv_heads=heads, head_dim=dim, dtype=torch.float32, m=64, num_host_blocks=40,
         num_slots=9, device=dev, seed=9)
-    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized(host_v, kv)
+    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized_v(host_v, kv)
     hk, hv, hks, hvs = (x.pin_memory() for x in (hk, hv, hks, hvs))
     wk, wv = ws_k.to(kv), ws_v.to(kv)
     wks, wvs = (torch.full(ws_k.shape[:-1], NAN, device=dev) for _ in range(2))
