@@ -275,7 +275,9 @@ class EngineConfig:
     max_num_seqs: int = _opt(256, "most sequences in one decode batch")
     max_num_batched_tokens: int = _opt(8192, "most prompt tokens in one prefill step (longer "
                                        "prompts are prefilled in chunks)")
-    block_size: int = _opt(16, "tokens per KV block")
+    block_size: int = _opt(0, "tokens per KV block; 0 = auto: 32 for a dense pool of 8-bit KV "
+                           "(its paged decode reads 8-bit values fastest in blocks of 32 "
+                           "tokens: docs/benchmarks.md section 30), else 16")
     gpu_memory_utilization: float = _opt(0.90, "fraction of GPU memory the engine may use "
                                          "(weights, activations and the KV pool sized from it "
                                          "after a warm-up)")
@@ -306,6 +308,9 @@ class EngineConfig:
     tier: TierConfig = _opt(TierConfig(), "tiered KV settings (kv_mode=oasis)", cli=False)
 
     def __post_init__(self):
+        if self.block_size == 0:  # (frozen: the resolved size is set once, here)
+            object.__setattr__(self, "block_size", 32 if self.kv_mode == "dense"
+                               and self.kv_cache_dtype != "auto" else 16)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -96,6 +96,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768,
                         help="prefill tokens per step; >= the context avoids chunking")
     parser.add_argument("--num-kv-blocks", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="tokens per KV block; 0 = the engine's default for the KV mode and "
+                             "dtype")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-mode", default="dense", help="dense or oasis (tiered KV)")
     parser.add_argument("--topk-blocks", type=int, default=128, help="oasis: K")
@@ -128,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=max(contexts) + max(outputs) + 1,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        enforce_eager=args.enforce_eager, max_graph_batch=args.max_num_seqs, kv_mode=args.kv_mode,
+        block_size=args.block_size, enforce_eager=args.enforce_eager,
+        max_graph_batch=args.max_num_seqs, kv_mode=args.kv_mode,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
         draft=args.draft, prefetch=args.prefetch, guardrail_rate=args.guardrail_rate,

@@ -51,7 +51,8 @@ def test_a_chunk_past_its_prefix_block_reads_the_prefix_block_exact(tiny):
     prompt = list(range(3, 33))
     seen = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(str(tiny), num_kv_blocks=64, max_num_batched_tokens=12, kv_cache_dtype=kv)
+        llm = LLM(str(tiny), num_kv_blocks=64, max_num_batched_tokens=12, kv_cache_dtype=kv,
+                  block_size=16)  # (the blocks the chunks are laid over)
         outs = seen[kv] = []
         attn = llm.engine.runner.model.layers[0].attn
         handle = attn.register_forward_hook(lambda m, args, out: outs.append(out.clone()))
