@@ -120,6 +120,17 @@ def test_engine_config_rejects_nonsense():
         EngineConfig(dtype="int3")
     with pytest.raises(ValueError, match="summary_dtype"):
         EngineConfig.from_flat(summary_dtype="fp4")
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=-16)
+
+
+@pytest.mark.parametrize("kv_mode, kv_cache_dtype, asked, block_size", [
+    ("dense", "auto", 0, 16), ("dense", "fp8", 0, 32), ("dense", "int8", 0, 32),
+    ("oasis", "fp8", 0, 16), ("dense", "fp8", 16, 16), ("oasis", "auto", 64, 64)])
+def test_block_size_auto_picks_32_tokens_for_a_dense_8_bit_pool(kv_mode, kv_cache_dtype, asked,
+                                                               block_size):
+    config = EngineConfig(kv_mode=kv_mode, kv_cache_dtype=kv_cache_dtype, block_size=asked)
+    assert config.block_size == block_size
 
 
 @pytest.mark.parametrize("kv_cache_dtype, summary_dtype, fp8", [
