@@ -23,9 +23,10 @@ def tiny(request, tmp_path_factory):
 
 
 def dense_tokens(path, batch, params=GREEDY, kv_cache_dtype="auto", **kw):
-    """Dense decode's tokens (with 8-bit K/V, ``kv_open_block`` as for the tiered engine it is
-    compared with: the two store and read the same rows)."""
-    llm = LLM(str(path), num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype, **kw)
+    """Dense decode's tokens (with 8-bit K/V, ``kv_open_block`` and the 16-token blocks of the
+    tiered engine it is compared with: the two store and read the same rows; a dense 8-bit pool
+    would pick 32-token blocks, whose open block holds other tokens exact)."""
+    llm = LLM(str(path), num_kv_blocks=512, block_size=16, kv_cache_dtype=kv_cache_dtype, **kw)
     return [o.token_ids for o in llm.generate(batch, params)]
 
 
