@@ -122,6 +122,12 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} hands off no prompts "
                                   "(--kv-mode oasis does)")
 
+    def idle(self) -> bool:
+        """The engine has no request to run: settle background work that outlived its requests
+        (reads still landing); True while some still runs, and the engine calls again shortly.
+        Default: none."""
+        return False
+
     def held_back(self) -> tuple[set[int], dict[int, str]]:
         """Before a step is scheduled: the running sequences (ids) that sit out the next step (their
         KV is not ready), and those that end now with why (it never will be). Default: none."""

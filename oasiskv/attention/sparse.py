@@ -267,6 +267,9 @@ class SparseBackend(SlotBackend):
         return ({seq_of[s] for s in waiting if s in seq_of},
                 {seq_of[s]: why for s, why in failed.items() if s in seq_of})
 
+    def idle(self) -> bool:
+        return self.kv.host.poll()
+
     def during_step(self) -> None:
         self.retrieval.during_step()
 

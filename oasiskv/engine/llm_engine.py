@@ -223,6 +223,14 @@ class LLMEngine:
         """Let go of every ended request the engine still holds (when it has nothing to run)."""
         self._ended.clear()
 
+    def idle(self) -> bool:
+        """No request is unfinished: let go of the ended ones and settle the KV backend's
+        background work that outlived them (a decode-host cache's reads still landing: their rows
+        and counts settle now, not at the next request's first step). True while some still
+        runs: call again shortly."""
+        self.release_ended()
+        return self.runner.idle()
+
     def _release_ended(self, running: Callable[[], Callable[[], bool]]) -> None:
         """Let go of ended requests while the device still runs the step (the runner's
         ``while_busy``; ``running()`` starts the probe, asked only when a request ended). A

@@ -189,6 +189,12 @@ class ModelRunner:
                                              self.backend.handoff_queries(i))
 
     @torch.inference_mode()
+    def idle(self) -> bool:
+        """The backend's ``idle``, when the engine has no request to run (rank 0)."""
+        with self._device_scope():
+            return self.backend.idle()
+
+    @torch.inference_mode()
     def held_back(self) -> tuple[set[int], dict[int, str]]:
         """The backend's ``held_back``, between steps (rank 0; tensor-parallel engines wait for
         their reads instead, so that every rank runs the same batch)."""

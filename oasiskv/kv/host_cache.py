@@ -251,11 +251,13 @@ class HostCache(HostStore):
         return {b: mask & self.pending[b] for b, mask in want.items()
                 if mask & self.pending.get(b, 0)}
 
-    def poll(self) -> None:
-        """Settle the reads that finished (or failed) since the last call; never waits."""
+    def poll(self) -> bool:
+        """Settle the reads that finished (or failed) since the last call; never waits. True
+        while some still run."""
         if self._reads:
             self._settle(time.monotonic(), None)
             self.flush()
+        return bool(self._reads)
 
     def _ensure(self, want: dict[int, int], partial: bool, stall_s: float | None,
                 keep: set[int] | None = None, staged: bool = False) -> dict[int, int]:

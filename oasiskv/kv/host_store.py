@@ -75,6 +75,11 @@ class HostStore:
     def flush(self) -> None:
         """Send row-table changes to the device (a store whose rows move has some)."""
 
+    def poll(self) -> bool:
+        """Settle background work that finished (a cache's reads); True while some still runs.
+        A store that keeps every block has none."""
+        return False
+
     def take_failed(self) -> dict[int, str]:
         """The blocks whose bytes could not be had since the last call, with why (none
         here)."""

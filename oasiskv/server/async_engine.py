@@ -302,13 +302,10 @@ class AsyncEngine:
         """Apply pending commands (waiting for one when idle), then run one step. False on stop."""
         try:
             if not self.engine.has_unfinished():
-                self.engine.release_ended()
-                commands = [self._commands.get()]
+                # (background work left, e.g. reads still landing: settled again shortly)
+                commands = self._next_command(IDLE_WAIT_S if self.engine.idle() else None)
             elif self._idle:  # unfinished work the scheduler cannot run yet (e.g. held blocks)
-                try:
-                    commands = [self._commands.get(timeout=IDLE_WAIT_S)]
-                except queue.Empty:
-                    commands = []
+                commands = self._next_command(IDLE_WAIT_S)
             else:
                 commands = []
             while True:
@@ -332,6 +329,13 @@ class AsyncEngine:
             self._fail_live(APIError(500, f"internal engine error: {type(exc).__name__}: {exc}"))
         self.stats = dataclasses.replace(self.engine.stats)
         return True
+
+    def _next_command(self, timeout: float | None) -> list:
+        """The next command, waiting ``timeout`` seconds at most (None: until one comes)."""
+        try:
+            return [self._commands.get(timeout=timeout)]
+        except queue.Empty:
+            return []
 
     def _apply(self, cmd: _Add | _Abort | _Call) -> None:
         if isinstance(cmd, _Call):
