@@ -118,6 +118,9 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary-dtype", default="auto",
                         help="block summaries of the tiered runs: auto (as the KV cache), fp8 "
                              "or model (the model's dtype)")
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="tokens per KV block of every run but the reference dense one; 0 = "
+                             "the engine's auto (32 for a dense 8-bit pool, else 16)")
 
 
 def windows(engine: LLMEngine, text_file: str, count: int, length: int) -> list[list[int]]:
@@ -230,13 +233,15 @@ def evaluate(args: argparse.Namespace) -> list[Run]:
     wins = windows(dense, args.text, args.windows, args.window_len)
     runs = [teacher_forced(dense, wins, args.last, "dense")]
     _free(dense)
-    base |= dict(kv_cache_dtype=args.kv_cache_dtype, kv_open_block=args.kv_open_block)
+    base |= dict(kv_cache_dtype=args.kv_cache_dtype, kv_open_block=args.kv_open_block,
+                 block_size=args.block_size)
     suffix = "" if args.kv_cache_dtype == "auto" else " " + args.kv_cache_dtype
     if suffix:
         engine = LLMEngine(**base)
         opened = args.kv_open_block == "model"
         runs.append(teacher_forced(engine, wins, args.last,
-                                   "dense" + suffix + (" (open block exact)" if opened else "")))
+                                   f"dense{suffix} b{engine.config.block_size}"
+                                   + (" (open block exact)" if opened else "")))
         _free(engine)
         suffix += " open" if opened else ""
     host_gib = 2 * args.windows * args.window_len * _kv_bytes_per_token(args) / 2**30 + 0.01
@@ -296,8 +301,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     runs = evaluate(args)
     dense = runs[0]
     rows = []
+    tiered_block = EngineConfig.from_flat(kv_mode="oasis", block_size=args.block_size).block_size
     print(f"\n{args.windows} windows x {args.window_len} tokens, last {args.last} positions "
-          f"teacher-forced, block 16, model {args.model}")
+          f"teacher-forced, tiered runs in {tiered_block}-token blocks, model {args.model}")
     print(f"{'setting':34} {'loss':>7} {'vs dense':>9} {'top-1 = dense':>14} "
           f"{'cap fill mean/p10/p50/p90':>26}")
     for run in runs:

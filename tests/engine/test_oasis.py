@@ -282,6 +282,28 @@ def test_eval_tool_reports_exact_agreement_when_k_covers_everything(tmp_path):
             and sum(q["positions"] for q in signal["quartiles"]) == 2 * 2 * 23)
 
 
+def test_eval_names_the_block_size_of_the_dense_8_bit_run(tmp_path):
+    """``--kv-cache-dtype fp8`` adds a dense FP8 run, labelled with its block size: the engine's
+    auto (32 tokens for a dense 8-bit pool) unless ``--block-size`` says otherwise."""
+    import json
+    import subprocess
+    import sys
+    from oasiskv.models.loader import DEMO_MODEL
+    text = tmp_path / "text.json"
+    text.write_text(json.dumps({"docs": ["def f(x):\n    return x * 2\n" * 120]}))
+    for flags, label in (([], "dense fp8 b32 (open block exact)"),
+                         (["--block-size", "16"], "dense fp8 b16 (open block exact)")):
+        out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "eval",
+                              str(DEMO_MODEL), "--text", str(text), "--windows", "1",
+                              "--window-len", "128", "--last", "8", "--topk-blocks", "",
+                              "--kv-cache-dtype", "fp8", *flags],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs = {r["setting"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["runs"]}
+        assert set(runs) == {"dense", label}
+        assert 0 <= runs[label]["top1_agreement"] <= 1
+
+
 def test_guardrail_predictor_auc_and_quartiles():
     from oasiskv.bench.fidelity import predictor_signal
     separated = [(0.1, False), (0.2, False), (0.3, True), (0.4, True)]
