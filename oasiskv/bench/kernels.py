@@ -190,17 +190,17 @@ def bench_sparse(kv: torch.dtype | None) -> dict:
     """``sparse_decode_attention`` launch configs over one layer's working sets of SELECT_ROWS
     sequences (SELECT_K + 1 slots each, all held) with a draft row each; 8-bit ``kv``: with
     open blocks."""
-    from oasiskv.kernels.fp8 import OpenBlocks, quantize_rows
+    from oasiskv.kernels.fp8 import OpenBlocks, quantize_rows, stored_v
     from oasiskv.kernels.paged_decode import launch_config
     from oasiskv.kernels.sparse_decode import sparse_decode_attention
 
     dev, n, slots = torch.device("cuda"), SELECT_ROWS, SELECT_K + 1
     shape = (n + 1, NUM_KV_HEADS, slots, BLOCK_SIZE, HEAD_DIM)  # (+ the padding rows' slot)
     ws, scales = [], []
-    for _ in range(2):
+    for i in range(2):
         x = torch.randn(shape, dtype=DTYPE, device=dev)
         values, scale = quantize_rows(x, kv) if kv is not None else (x, None)
-        ws.append(values)
+        ws.append(stored_v(values) if kv is not None and i == 1 else values)  # (V: the V layout)
         scales.append(scale)
         del x
     ws_map = torch.arange(slots, dtype=torch.int32, device=dev).expand(shape[:3]).contiguous()

@@ -143,10 +143,11 @@ def test_store_kv_int8_rounds_ties_to_even(fn):
 
 
 @KV_DTYPES
+@pytest.mark.parametrize("block", [16, 32])  # (32: a dense 8-bit pool's default)
 @pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
-def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, kv):
+def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, block, kv):
     gen = torch.Generator().manual_seed(1)
-    n, heads, block, dim, blocks = 7, 2, 16, 32, 3
+    n, heads, dim, blocks = 7, 2, 32, 3
     mags = torch.logspace(-3, 2, n * heads).view(n, heads, 1)
     k, v = (torch.randn(n, heads, dim, generator=gen) * mags for _ in range(2))
     slots = torch.tensor([0, 17, -1, 5, 47, 18, 33])
@@ -167,10 +168,11 @@ def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, kv):
 
 
 @pytest.mark.parametrize("lens,group", [([5, 40, 0, 17], 2), ([64, 33], 4)])
+@pytest.mark.parametrize("block", [16, 32])  # (32: a dense 8-bit pool's default)
 @KV_DTYPES
-def test_paged_decode_8_bit_equals_reference_and_dequantized_dense(lens, group, kv):
+def test_paged_decode_8_bit_equals_reference_and_dequantized_dense(lens, group, block, kv):
     q, k_cache, v_cache, tables, ctx = _case(lens, num_kv_heads=2, group=group, head_dim=32,
-                                             block_size=16, dtype=torch.float32, seed=3)
+                                             block_size=block, dtype=torch.float32, seed=3)
     (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized_v(v_cache, kv)
     scale = 1 / math.sqrt(32)
     out = torch.full_like(q, NAN)
@@ -229,21 +231,22 @@ def test_paged_decode_8_bit_ending_on_a_tile_of_zero_value_rows(kv):
     _close_per_head(got, ref, 4e-3)
 
 
-def _open_case(lens, kv, q_dtype, device="cpu", heads=2, group=2, dim=32, seed=31):
+def _open_case(lens, kv, q_dtype, device="cpu", heads=2, group=2, dim=32, seed=31, block=16):
     """A paged case over 8-bit rows whose rows' last blocks live in open blocks of q's dtype (each
     row's slot a random one, the pool's copy of those blocks blank, so reading it would give NaN)
     -> (q, 8-bit k, v, scales, tables, lens, OpenBlocks, the float keys and values attention must
     see)."""
     q, k_cache, v_cache, tables, ctx = _case(lens, num_kv_heads=heads, group=group, head_dim=dim,
-                                             block_size=16, dtype=torch.float32, seed=seed)
+                                             block_size=block, dtype=torch.float32, seed=seed)
     (kq, ks), (vq, vs) = quantized(k_cache, kv), quantized_v(v_cache, kv)
     seen_k, seen_v = dequantize(kq, ks), dequantize(v_rows(vq), vs)
     n = len(lens)
     slots = torch.randperm(n + 2, generator=torch.Generator().manual_seed(seed))[:n].int()
-    open_k, open_v = (torch.full((n + 2, heads, 16, dim), NAN, dtype=q_dtype) for _ in range(2))
+    open_k, open_v = (torch.full((n + 2, heads, block, dim), NAN, dtype=q_dtype)
+                      for _ in range(2))
     for row, length in enumerate(lens):
         if length:
-            last = tables[row, (length - 1) // 16]
+            last = tables[row, (length - 1) // block]
             open_k[slots[row]], open_v[slots[row]] = k_cache[last], v_cache[last]
             seen_k[last], seen_v[last] = k_cache[last].to(q_dtype), v_cache[last].to(q_dtype)
             kq[last], vq[last] = blank(kq[last].shape, kv), blank(vq[last].shape, kv)
@@ -253,18 +256,21 @@ def _open_case(lens, kv, q_dtype, device="cpu", heads=2, group=2, dim=32, seed=3
             OpenBlocks(*dev(open_k, open_v, slots)), (seen_k, seen_v))
 
 
-@pytest.mark.parametrize("q_dtype,split", [
-    (torch.float32, dict(num_splits=2)), (torch.bfloat16, {}),
-    (torch.bfloat16, dict(blocks_per_split=3)), (torch.bfloat16, dict(num_splits=4))],
-    ids=["fp32", "bf16", "bf16-3-blocks", "bf16-4-splits"])
+@pytest.mark.parametrize("q_dtype,split,block", [
+    (torch.float32, dict(num_splits=2), 16), (torch.bfloat16, {}, 16),
+    (torch.bfloat16, dict(blocks_per_split=3), 16), (torch.bfloat16, dict(num_splits=4), 16),
+    (torch.float32, dict(num_splits=2), 32), (torch.bfloat16, dict(blocks_per_split=3), 32)],
+    ids=["fp32", "bf16", "bf16-3-blocks", "bf16-4-splits", "fp32-b32", "bf16-3-blocks-b32"])
 @KV_DTYPES
-def test_paged_decode_8_bit_reads_each_rows_last_block_from_its_open_block(q_dtype, split, kv):
+def test_paged_decode_8_bit_reads_each_rows_last_block_from_its_open_block(q_dtype, split, block,
+                                                                           kv):
     """With ``open_block`` each row's last block (a partly written one, one block exactly, the last
     of several tiles) comes from its open block in q's dtype and never from the 8-bit pool (blank
     there): equal to the reference, and to float64 attention over the dequantized rows with those
     blocks exact."""
-    lens = [300, 129, 0, 17, 256, 16]
-    q, kq, vq, scales, tables, ctx, opened, (seen_k, seen_v) = _open_case(lens, kv, q_dtype)
+    lens = [300, 129, 0, 17, 256, 16, 32]
+    q, kq, vq, scales, tables, ctx, opened, (seen_k, seen_v) = _open_case(lens, kv, q_dtype,
+                                                                          block=block)
     scale = 1 / math.sqrt(32)
     got = paged_decode_attention(q, kq, vq, tables, ctx, scale, out=torch.full_like(q, NAN),
                                  scales=scales, open_block=opened, **split)
