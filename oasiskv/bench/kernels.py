@@ -197,10 +197,10 @@ def bench_sparse(kv: torch.dtype | None) -> dict:
     dev, n, slots = torch.device("cuda"), SELECT_ROWS, SELECT_K + 1
     shape = (n + 1, NUM_KV_HEADS, slots, BLOCK_SIZE, HEAD_DIM)  # (+ the padding rows' slot)
     ws, scales = [], []
-    for i in range(2):
+    for is_v in (False, True):
         x = torch.randn(shape, dtype=DTYPE, device=dev)
         values, scale = quantize_rows(x, kv) if kv is not None else (x, None)
-        ws.append(stored_v(values) if kv is not None and i == 1 else values)  # (V: the V layout)
+        ws.append(stored_v(values) if kv is not None and is_v else values)  # (the V layout)
         scales.append(scale)
         del x
     ws_map = torch.arange(slots, dtype=torch.int32, device=dev).expand(shape[:3]).contiguous()

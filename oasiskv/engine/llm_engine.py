@@ -225,9 +225,8 @@ class LLMEngine:
 
     def idle(self) -> bool:
         """No request is unfinished: let go of the ended ones and settle the KV backend's
-        background work that outlived them (a decode-host cache's reads still landing: their rows
-        and counts settle now, not at the next request's first step). True while some still
-        runs: call again shortly."""
+        background work that outlived them (``AttentionBackend.idle``: it settles now, not at the
+        next request's first step). True while some still runs: call again shortly."""
         self.release_ended()
         return self.runner.idle()
 
