@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu_check.sh [tests] [oasis-tests] [kernels] [kernels-fp8] [scores] [gather]
 #        [profile] [profile-oasis] [bench] [bench-quick] [oasis-quick] [oasis-real] [oasis-emulated]
 #        [compare] [fp8-bench] [moe-bench] [guardrail-cost] [metrics] [tp] [pd-smoke] [pd-partial]
-#        [pd-bench] [profile-host] [open-block] [dense-dtypes] [sparse-kernel] [kernel-compare]
+#        [pd-bench] [profile-host] [open-block] [dense-dtypes] [sparse-kernel] [kernel-compare] [store]
 #        (default: tests kernels bench)
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
@@ -223,6 +223,14 @@ for stage in $stages; do
       done
       export PYTHONPATH=$PWD
       summary+=("kernel-compare: see tables above") ;;
+    store)  # the KV store kernel (store_kv) at 46 / 128 / 8,192 tokens, each storage dtype: the tree
+      # in .before/ and this one, interleaved (KC_RUNS, default twice)
+      for run in ${KC_RUNS:-before after before after}; do
+        PYTHONPATH=$(tree_dir "$run") python3 -P -m oasiskv.bench.kernels --store 2>&1 \
+          | tee -a "$OUT/store-$run.log" | grep -v '^{' | sed "s/^/$run: /"
+      done
+      export PYTHONPATH=$PWD
+      summary+=("store: see tables above") ;;
     sparse-kernel)  # sparse decode at the 128 x 32K tiered point, its launch configs (KV_DTYPE)
       python3 -m oasiskv.bench.kernels --sparse --kv-cache-dtype "$KV_DTYPE" 2>&1 \
         | tee "$OUT/sparse-kernel.log" | grep -v '^{'
@@ -241,8 +249,10 @@ for stage in $stages; do
     gather)  # UVA gather bandwidth and its overlap with model kernels on another stream
       python3 -m oasiskv.bench.uva_gather 2>&1 | tee "$OUT/uva_gather.log" | grep -v '^{'
       summary+=("gather: see table above") ;;
-    profile)  # dense decode, 32 x 8K: per-stream kernel time
-      python3 scripts/profile_decode.py qwen3-8b --context-lens 8192 --concurrency 32 --max-num-seqs 32 2>&1 \
+    profile)  # dense decode, PROFILE_CONC (default 32) x PROFILE_LEN (default 8K), KV_DTYPE: per-stream
+      # kernel time
+      python3 scripts/profile_decode.py qwen3-8b --context-lens "${PROFILE_LEN:-8192}" \
+        --concurrency "${PROFILE_CONC:-32}" --max-num-seqs "${PROFILE_CONC:-32}" --kv-cache-dtype "$KV_DTYPE" 2>&1 \
         | tee "$OUT/profile_dense.log" | grep -v '^{'
       summary+=("profile: $(grep -h 'host wall' "$OUT"/profile_dense.log | tr '\n' ' ')") ;;
     profile-oasis)  # the oasis-emulated point, prefetch async then off: per-stream kernel time

@@ -20,6 +20,9 @@ the summary bytes read (FP8: values and scales).
 ``python -m oasiskv.bench.kernels --select``: ``select_blocks`` (the capped top-K selection) at 128
 rows x 2,048 blocks x 8 kv heads, K = 128, cap 7, one layer, for 1, 2, 4 and 8 warps per program.
 
+``python -m oasiskv.bench.kernels --store``: ``store_kv`` (one layer's new K/V rows into the paged
+cache) at 46, 128 and 8,192 tokens, bf16 / e4m3 (searched scale) / int8 storage.
+
 ``python -m oasiskv.bench.kernels --sparse [--kv-cache-dtype ...]``: ``sparse_decode_attention``
 at the 128 x 32K tiered point (128 rows, each with a draft row; K = 128, every slot held; 8-bit:
 with open blocks), one layer, for each launch config in ``LAUNCHES``; GB/s counts the working-set
@@ -184,6 +187,32 @@ def bench_scores(fp8: bool = False) -> dict:
 
 
 SELECT_ROWS, SELECT_K, SELECT_CAP = 128, 128, 7  # 128 x 32K, K = 128, f = 0.05
+STORE_TOKENS = (46, 128, 8192)  # dense FP8's 32K decode batch, the tiered one, a prefill chunk
+
+
+def bench_store() -> dict:
+    """``store_kv`` (one layer's K and V rows of STORE_TOKENS tokens, bf16 in, 8 kv heads x
+    HEAD_DIM) into a paged cache of 32-token blocks, slots in random order, for each storage
+    dtype (bf16, e4m3 with the searched scale, int8)."""
+    from oasiskv.kernels.fp8 import FP8, INT8, empty_kv
+    from oasiskv.kernels.store_kv import store_kv
+    dev, block = torch.device("cuda"), 32
+    print(f"store_kv: {NUM_KV_HEADS} kv heads x {HEAD_DIM}, bf16 in, {block}-token blocks, on "
+          f"{torch.cuda.get_device_name()}")
+    print(f"{'tokens':>6} {'dtype':>14} {'us':>9}")
+    rows = []
+    for tokens in STORE_TOKENS:
+        k, v = (torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+                for _ in range(2))
+        slots = torch.randperm(-(-tokens // block) * block, device=dev)[:tokens]
+        for kv in (DTYPE, FP8, INT8):
+            k_cache, v_cache, scales = empty_kv((-(-tokens // block), NUM_KV_HEADS, block,
+                                                 HEAD_DIM), kv, dev)
+            us = 1e3 * _graph_median_ms(lambda: store_kv(k, v, k_cache, v_cache, slots, scales))
+            name = str(kv).removeprefix("torch.")
+            rows.append({"tokens": tokens, "dtype": name, "us": us})
+            print(f"{tokens:>6} {name:>14} {us:>9.1f}", flush=True)
+    return {"bench": "store_kv", "results": rows}
 
 
 def bench_sparse(kv: torch.dtype | None) -> dict:
@@ -279,6 +308,8 @@ def main() -> None:
                         help="the selection benchmark (select_blocks) instead")
     parser.add_argument("--summary-dtype", choices=("auto", "fp8"), default="auto",
                         help="--scores: summaries in the model's dtype (bf16) or FP8")
+    parser.add_argument("--store", action="store_true",
+                        help="the KV store benchmark (store_kv, each storage dtype) instead")
     parser.add_argument("--sparse", action="store_true",
                         help="the sparse decode benchmark (its launch configs) instead")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
@@ -294,6 +325,9 @@ def main() -> None:
         return
     if args.select:
         print(json.dumps(bench_select()))
+        return
+    if args.store:
+        print(json.dumps(bench_store()))
         return
     kv = storage_dtype(args.kv_cache_dtype, DTYPE)
     kv = kv if kv != DTYPE else None

@@ -45,7 +45,8 @@ leaves the least squared error. On the fixture's keys and values that removes 35
 squared error, and dense FP8's top-1 disagreement with bf16 dense on 16 x 4K windows goes from 1.3
 points to under 1 (docs/benchmarks.md section 29). Zero bytes and nothing for the readers: the
 scale is still one float32 per row. Writing costs SCALE_STEPS roundings per row, in the store
-kernel.
+kernel: one division per candidate (its inverse; each value is multiplied by it), the GPU's own
+e4m3 conversion, and each error as one fused multiply-add, exact in float32.
 
 This module is the torch side: the dtype, the rounding rule kernels and references share, and
 helpers that check scale tensors and dequantize gathered rows.
@@ -127,8 +128,10 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8,
     divisions are IEEE on every device (CUDA torch divides by a Python number as a multiply by its
     reciprocal, one ulp off the kernels' scales, which moves values that sit near a rounding tie).
     ``search`` (e4m3 only; the rule ``store_kv`` and its reference follow for K/V rows): the scale
-    is the one of ``amax / 448 * scale_steps()`` whose rounding leaves the row the least squared
-    error (summed in float64, so the order of the sum does not pick; the first of equal ones)."""
+    ``s`` is the one of ``amax / 448 * scale_steps()`` whose rounding leaves the row the least
+    squared error (summed in float64, so the order of the sum does not pick; the first of equal
+    ones); each candidate's values are ``x * (1 / s)``, one IEEE division per candidate, not per
+    value."""
     x, top = x.float(), QUANT_MAX[dtype]
     amax = x.abs().amax(-1).clamp(min=MIN_AMAX)
     scale = amax / torch.full_like(amax, top)
@@ -143,7 +146,8 @@ def _searched_e4m3(x: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, t
     ``base``."""
     def at(step: torch.Tensor):  # (values, scale, squared error) at the scale base * step
         scale = base * step
-        q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        inverse = torch.ones_like(scale) / scale  # (IEEE: a tensor divides a tensor)
+        q = (x * inverse[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return q, scale, (q.double() * scale.double()[..., None] - x.double()).square().sum(-1)
 
     steps = scale_steps(x.device)

@@ -6,12 +6,18 @@ two dims ``[block_size, head_dim]`` are contiguous, e.g. one layer ``host_k[:, l
 tiered host store ``[num_host_blocks, num_layers, Hk, B, D]`` (block stride
 ``num_layers * Hk * B * D``).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from oasiskv.kernels.fp8 import (FP8, INT8, MIN_AMAX, QUANT_MAX, SCALE_STEPS, check_scales,
                                  scale_steps)
+
+#: compiled for a GPU, not run by Triton's CPU interpreter (which lacks exact fp8 conversions and
+#: fused multiply-adds)
+COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -42,22 +48,41 @@ def _round_to_integer(x):
 
 
 @triton.jit
+def _to_e4m3(y):
+    """float32 ``y`` (|y| <= 448) -> the nearest e4m3 value, ties to even: compiled, the GPU's
+    conversion (an e4m3 tensor, two values per instruction); interpreted, ``_round_to_e4m3``
+    (float32; the interpreter's own fp8 rounding is not exact). Both store the same bytes."""
+    if COMPILED:
+        return y.to(tl.float8e4nv)
+    else:
+        return _round_to_e4m3(y)
+
+
+@triton.jit
 def _searched_e4m3(x, base, steps_ptr, QMAX: tl.constexpr, STEPS: tl.constexpr):
     """float32 rows ``x`` ``[BLOCK_H, BLOCK_D]`` with their plain scales ``base`` ``[BLOCK_H]`` ->
-    (e4m3 values as float32, scales): every candidate scale ``base * steps[j]`` is tried at once
-    (``[BLOCK_H, STEPS, BLOCK_D]``) and each row keeps the first of those with the least squared
-    error (float64: the differences are exact, so the order of the sum barely matters), as
-    ``quantize_rows(..., search=True)``."""
+    (e4m3 values, scales): every candidate scale ``s = base * steps[j]`` is tried at once
+    (``[BLOCK_H, STEPS, BLOCK_D]``, values ``x * (1 / s)``) and each row keeps the first of those
+    with the least squared error, as ``quantize_rows(..., search=True)``. Each error ``q * s - x``
+    is exact in float32 (q has 4 significant bits: the difference needs at most 24), so compiled
+    it is one fused multiply-add (interpreted, float64, whose product is exact too); the squares
+    sum in float64, where they are exact, so the order of the sum barely matters."""
     j = tl.arange(0, STEPS)
     scales = base[:, None] * tl.load(steps_ptr + j)[None, :]  # [BLOCK_H, STEPS]
+    inverse = tl.div_rn(tl.full(scales.shape, 1.0, tl.float32), scales)
     x3 = x[:, None, :]
-    q = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x3, scales[:, :, None]), -QMAX), QMAX))
-    err = q.to(tl.float64) * scales[:, :, None].to(tl.float64) - x3.to(tl.float64)
+    q = _to_e4m3(tl.minimum(tl.maximum(x3 * inverse[:, :, None], -QMAX), QMAX)).to(tl.float32)
+    if COMPILED:
+        err = tl.fma(q, scales[:, :, None], -x3).to(tl.float64)
+    else:
+        err = q.to(tl.float64) * scales[:, :, None].to(tl.float64) - x3.to(tl.float64)
     best = tl.argmin(tl.sum(err * err, 2), 1, tie_break_left=True)  # [BLOCK_H]
     pick = j[None, :] == best[:, None]
-    # the chosen values' bits (a float sum would turn a value rounded to -0 into +0)
-    bits = tl.sum(tl.where(pick[:, :, None], q.to(tl.int32, bitcast=True), 0), 1)
-    return bits.to(tl.float32, bitcast=True), tl.sum(tl.where(pick, scales, 0.0), 1)
+    # the chosen candidate's values again, from its inverse (a float sum over the candidates would
+    # turn a value rounded to -0 into +0)
+    chosen = tl.sum(tl.where(pick, inverse, 0.0), 1)
+    q = _to_e4m3(tl.minimum(tl.maximum(x * chosen[:, None], -QMAX), QMAX))
+    return q, tl.sum(tl.where(pick, scales, 0.0), 1)
 
 
 @triton.jit

@@ -100,24 +100,29 @@ def test_the_v_layout_keeps_each_blocks_bytes_token_minor():
     assert torch.equal(v_rows(stored), rows)
 
 
-@pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
-def test_store_kv_e4m3_scale_search_many_rows(fn):
-    """Many rows of very different magnitudes: the kernel (and its reference) store exactly
-    ``quantize_rows(..., search=True)``'s values and scales."""
+@pytest.mark.parametrize("fn, device", [
+    (store_kv, "cpu"), (store_kv_ref, "cpu"),
+    pytest.param(store_kv, "cuda", marks=pytest.mark.gpu)], ids=["triton", "ref", "compiled"])
+def test_store_kv_e4m3_scale_search_many_rows(fn, device, request):
+    """Many rows of very different magnitudes: the kernel (interpreted or compiled, where the
+    GPU's own e4m3 conversion and fused multiply-adds run) and its reference store exactly
+    ``quantize_rows(..., search=True)``'s values and scales (computed on the CPU)."""
+    if device == "cuda":
+        request.getfixturevalue("cuda_device")
     gen = torch.Generator().manual_seed(5)
     n, heads, block, dim = 96, 4, 16, 64
     k, v = (torch.randn(n, heads, dim, generator=gen)
             * torch.logspace(-3, 3, n * heads).view(n, heads, 1) for _ in range(2))
     k[:4, :, 1::3] *= 1e-7  # values that round to 0, -0 among them: stored as their signs say
     slots = torch.randperm(n)
-    k_cache, v_cache = (blank((n // block, heads, block, dim), FP8) for _ in range(2))
-    scales = tuple(torch.full((n // block, heads, block), NAN) for _ in range(2))
-    fn(k, v, k_cache, v_cache, slots, scales=scales)
+    k_cache, v_cache = (blank((n // block, heads, block, dim), FP8, device) for _ in range(2))
+    scales = tuple(torch.full((n // block, heads, block), NAN, device=device) for _ in range(2))
+    fn(k.to(device), v.to(device), k_cache, v_cache, slots.to(device), scales=scales)
     for x, cache, scale in ((k, k_cache, scales[0]), (v, v_rows(v_cache), scales[1])):
         want_q, want_s = quantize_rows(x, FP8, search=True)
-        stored = cache.transpose(1, 2).reshape(n, heads, dim)[slots]
+        stored = cache.cpu().transpose(1, 2).reshape(n, heads, dim)[slots]
         assert torch.equal(bits(stored), bits(want_q))
-        assert torch.equal(scale.transpose(1, 2).reshape(n, heads)[slots], want_s)
+        assert torch.equal(scale.cpu().transpose(1, 2).reshape(n, heads)[slots], want_s)
 
 
 def test_quantize_rows_int8_round_trip_and_range():
