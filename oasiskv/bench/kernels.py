@@ -204,10 +204,10 @@ def bench_store() -> dict:
     for tokens in STORE_TOKENS:
         k, v = (torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
                 for _ in range(2))
-        slots = torch.randperm(-(-tokens // block) * block, device=dev)[:tokens]
+        blocks = -(-tokens // block)
+        slots = torch.randperm(blocks * block, device=dev)[:tokens]
         for kv in (DTYPE, FP8, INT8):
-            k_cache, v_cache, scales = empty_kv((-(-tokens // block), NUM_KV_HEADS, block,
-                                                 HEAD_DIM), kv, dev)
+            k_cache, v_cache, scales = empty_kv((blocks, NUM_KV_HEADS, block, HEAD_DIM), kv, dev)
             us = 1e3 * _graph_median_ms(lambda: store_kv(k, v, k_cache, v_cache, slots, scales))
             name = str(kv).removeprefix("torch.")
             rows.append({"tokens": tokens, "dtype": name, "us": us})

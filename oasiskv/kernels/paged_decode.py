@@ -12,17 +12,14 @@ capturable. By default each row divides *its own* context into ``num_splits`` ru
 shorter than the block table's width still uses every split); a fixed ``blocks_per_split`` can be
 forced instead. Splits past a sequence's end write a neutral partial (max=-inf, sum=0, acc=0).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from oasiskv.kernels.fp8 import OpenBlocks, check_scales, quantized
+from oasiskv.kernels.store_kv import COMPILED
 
 _LOG2E = 1.4426950408889634
-#: int8 values convert to fp16 in packed integer operations (inline PTX; not in the interpreter)
-_PACKED_INT8 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 #: fp16 P.V (``_accumulate``): a tile's value-scale unit is at least this share of the largest scale
 #: seen
 _NORM_FLOOR = tl.constexpr(2.0 ** -40)
@@ -160,7 +157,7 @@ def _to_fp16(x):
     values per 32-bit register: u = x + 128 is x ^ 0x80 bytewise, fp16 ``0x64uu`` is 1024 + u, so
     subtracting 1152 leaves x (5 instructions per 4 values, where Triton's own conversion takes an
     int-to-float conversion per value and about as many byte moves)."""
-    if x.dtype == tl.int8 and _PACKED_INT8:
+    if x.dtype == tl.int8 and COMPILED:  # (inline PTX: not in the interpreter)
         return tl.inline_asm_elementwise(
             "{.reg .b32 t, c;\n"
             "xor.b32 t, $2, 0x80808080;\n"

@@ -15,8 +15,8 @@ import triton.language as tl
 from oasiskv.kernels.fp8 import (FP8, INT8, MIN_AMAX, QUANT_MAX, SCALE_STEPS, check_scales,
                                  scale_steps)
 
-#: compiled for a GPU, not run by Triton's CPU interpreter (which lacks exact fp8 conversions and
-#: fused multiply-adds)
+#: compiled for a GPU, not run by Triton's CPU interpreter (which lacks exact fp8 conversions, fused
+#: multiply-adds and inline PTX)
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
