@@ -288,6 +288,11 @@ class EngineConfig:
                             "waits when another process holds a core), every usable core for "
                             "larger steps")
     enforce_eager: bool = _opt(False, "disable CUDA-graph capture of decode")
+    async_scheduling: bool = _opt(True, "launch each decode step before the previous step's "
+                                  "tokens reach the host (its inputs are those tokens on the "
+                                  "device), so the host's work between steps overlaps the "
+                                  "device's; dense KV on one rank (other setups run steps one at "
+                                  "a time)")
     max_graph_batch: int = _opt(256, "largest decode batch captured in a CUDA graph")
     seed: int = _opt(0, "seed for random sampling of requests without their own seed")
     load_format: str = _opt("auto", "auto (safetensors) or dummy (random weights, for benchmarks)")

@@ -74,6 +74,10 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = True
     takes_handoffs: bool = False  #: implements ``admit`` and ``handoff_queries``
     rows_per_seq: int = 1  #: decode rows per sequence in a captured step (its token + extra rows)
+    #: a decode step may be launched before the previous step's tokens reach the host and its
+    #: ``finish`` runs (the engine's async scheduling): ``prepare`` and ``forward`` read neither,
+    #: and ``finish`` takes a batch some of whose sequences ended after it was launched
+    steps_ahead: bool = False
 
     # ---- storage ---------------------------------------------------------------------------------
     @abstractmethod

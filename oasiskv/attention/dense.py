@@ -45,6 +45,8 @@ class OpenStep:
 
 
 class DenseBackend(SlotBackend):
+    steps_ahead = True
+
     def __init__(self, config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype,
                  device: torch.device):
         self.config = config

@@ -105,12 +105,15 @@ class CudaGraphRunner:
         logger.info("captured decode CUDA graphs for batch sizes %s (%d rows per sequence)",
                     self.buckets, self.rows_per_seq)
 
-    def run(self, rows: StepRows, seqs: list, tables: BlockTableRows) -> torch.Tensor | None:
+    def run(self, rows: StepRows, seqs: list, tables: BlockTableRows,
+            inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """Replay for a decode step -> hidden ``[T, H]`` in the step's row order, or None when the
         step does not fit a captured layout (too many sequences, not ``rows_per_seq`` rows per
         sequence, or the backend declines): the caller runs it eagerly. ``rows``: the step's
         rows on the host (and the backend's meta); ``tables``: the sequences' block tables. Table
-        columns past a row's blocks keep stale values: no kernel reads them."""
+        columns past a row's blocks keep stale values: no kernel reads them. ``inputs``: the
+        sequences' token ids ``[len(seqs)]`` on the device, copied in after the upload in place
+        of ``rows.ids``' first group."""
         bs, k = len(seqs), self.rows_per_seq
         if bs > self.max_bs or len(rows.ids) != k * bs:
             return None
@@ -121,7 +124,9 @@ class CudaGraphRunner:
         h = self.host
         for j in range(k):  # row group j of the step -> rows j*padded.. of the bucket
             lo, src = j * padded, slice(j * bs, (j + 1) * bs)
-            h["input_ids"][lo:lo + bs] = rows.ids[src]
+            if j or inputs is None:  # (else the host's ids are placeholders: the mirror keeps
+                # valid ids, which padding rows may read later)
+                h["input_ids"][lo:lo + bs] = rows.ids[src]
             h["positions"][lo:lo + bs] = rows.positions[src]
             h["positions"][lo + bs:lo + padded] = 0
             h["slot_mapping"][lo:lo + bs] = rows.slots[src]
@@ -132,6 +137,8 @@ class CudaGraphRunner:
         end = self._tables_offset + h["block_tables"][:bs].nbytes
         self._device_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
         self._uploaded.record()
+        if inputs is not None:
+            self.static.input_ids[:bs].copy_(inputs)
         self.graphs[padded].replay()
         out = self.outputs[padded]
         return torch.cat([out[j * padded:j * padded + bs] for j in range(k)]) if k > 1 else out[:bs]

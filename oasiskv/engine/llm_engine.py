@@ -5,6 +5,13 @@ raises ValueError and changes nothing). ``step`` schedules, runs the model once,
 tokens, applies stopping rules and returns a ``RequestOutput`` for every request that advanced or
 finished. A failure inside a step finishes that step's requests with ``finish_reason="error"`` and
 leaves the others running. Not thread-safe: one thread drives an engine.
+
+Async scheduling (``EngineConfig.async_scheduling``; dense KV on one rank): before a decode step's
+tokens are read, the next decode step of the same requests is launched with those tokens as its
+inputs on the device, and the next ``step`` call collects it; the host's work between steps
+(stopping rules, text, outputs, the next launch) then overlaps the device's. Outputs are the same
+as one step at a time: a request that a step's token ends by length sits out the next step, one
+that ends otherwise (a stop token or string, an abort) has that step's row dropped.
 """
 from __future__ import annotations
 
@@ -21,8 +28,8 @@ from oasiskv.attention.base import StepStats
 from oasiskv.config import EngineConfig, ModelConfig
 from oasiskv.engine.detokenizer import Detokenizer
 from oasiskv.engine.handoff import Handoff, HandoffTable
-from oasiskv.engine.model_runner import ModelRunner
-from oasiskv.engine.scheduler import Scheduler
+from oasiskv.engine.model_runner import LaunchedStep, ModelRunner
+from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence, TokenLogprobs
 from oasiskv.models.loader import resolve_model_path
 from oasiskv.sampling_params import SamplingParams
@@ -31,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 #: seconds a step with nothing to run waits when running requests are held (their KV is being read)
 HELD_WAIT_S = 0.0005
+#: a sequence's newest token while the step that samples it runs and the next one is launched
+#: (async scheduling): never fed to the model, never seen outside a step
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -66,6 +76,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_steps_ahead: int = 0  # decode steps launched before the previous step's tokens were read
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
     last_step_prefill: bool = False
@@ -120,6 +131,11 @@ class LLMEngine:
         #: requests that ended, let go of while the device runs a later step (``_release_ended``)
         self._ended: list[Sequence] = []
         self.runner.while_busy = self._release_ended
+        #: async scheduling in effect: decode steps launched before the previous step's tokens are
+        #: read (``config.async_scheduling`` where the runner allows it; may be switched off
+        #: between steps)
+        self.steps_ahead = config.async_scheduling and self.runner.steps_ahead
+        self._ahead: LaunchedStep | None = None  # the step launched ahead, not collected yet
         #: handoffs of prompts prefilled here for another engine, by request id (``take_handoff``)
         self.handed_off = HandoffTable(lambda blocks: self.allocator.release(blocks))
         self._ids = itertools.count()
@@ -228,6 +244,7 @@ class LLMEngine:
         background work that outlived them (``AttentionBackend.idle``: it settles now, not at the
         next request's first step). True while some still runs: call again shortly."""
         self.release_ended()
+        self._drop_ahead()
         return self.runner.idle()
 
     def _release_ended(self, running: Callable[[], Callable[[], bool]]) -> None:
@@ -257,8 +274,13 @@ class LLMEngine:
         return failed + self._step(forced)
 
     def _step(self, forced: Mapping[str, int] | None) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
         self.stats.kv_samples = {}  # (a failing step observes nothing)
+        if self._ahead is not None:
+            if forced is None and any(self._live(self._ahead.batch)):
+                step, self._ahead = self._ahead, None
+                return self._complete(step, None, time.perf_counter())
+            self._drop_ahead()  # (its requests ended meanwhile, or teacher forcing asks for it)
+        batch = self.scheduler.schedule()
         if batch is None:  # (nothing runnable now, e.g. every free block held)
             self.stats.last_batch_size = 0
             self.release_ended()
@@ -268,17 +290,43 @@ class LLMEngine:
         start = time.perf_counter()
         want = None if forced is None else [forced.get(s.request_id) for s in batch.seqs]
         try:
-            result = self.runner.run(batch, want)
+            step = self.runner.launch(batch, want)
         except Exception as exc:  # one bad step must not take the engine or other requests down
-            logger.exception("step failed; finishing its %d requests with an error", len(batch))
-            return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
-        self.scheduler.postprocess(batch)
+            return self._fail_step(batch.seqs, exc)
+        return self._complete(step, forced, start)
+
+    def _complete(self, step: LaunchedStep, forced: Mapping[str, int] | None,
+                  start: float) -> list[RequestOutput]:
+        """Collect a launched step and apply it: tokens, stopping rules, outputs. With async
+        scheduling the next decode step is launched first (``_run_ahead``), so that this host
+        work overlaps the device's."""
+        batch = step.batch
+        live = self._live(batch)
+        ahead_failed: tuple[list[Sequence], Exception] | None = None
+        ran_ahead = forced is None and self._may_run_ahead(batch, live)
+        if ran_ahead:
+            ahead_failed = self._run_ahead(step, live)
+        try:
+            result = self.runner.collect(step)
+        except Exception as exc:
+            seqs = [s for s, ok in zip(batch.seqs, live) if ok]
+            if ran_ahead:  # (no token replaces their placeholders)
+                for seq in seqs:
+                    seq.token_ids.pop(), seq.output_token_ids.pop()
+            return self._fail_step(seqs, exc)
+        if not ran_ahead:
+            self.scheduler.postprocess(batch, live)
         now = time.monotonic()
         for i, seq in enumerate(batch.seqs):
+            if not live[i]:
+                continue
             seq.prompt_logprobs += result.prompt_logprobs[i]
             if result.tokens[i] is None:
                 continue
-            seq.append_token(result.tokens[i])
+            if ran_ahead:  # (in place of the placeholder ``_run_ahead`` appended)
+                seq.token_ids[-1] = seq.output_token_ids[-1] = result.tokens[i]
+            else:
+                seq.append_token(result.tokens[i])
             if result.logprobs[i] is not None:
                 seq.output_logprobs.append(result.logprobs[i])
             if seq.first_token_time is None:
@@ -286,8 +334,7 @@ class LLMEngine:
         try:
             kv = self.runner.finish(batch)
         except Exception as exc:  # the step's deferred work failed: its results cannot be trusted
-            logger.exception("step failed; finishing its %d requests with an error", len(batch))
-            return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in batch.seqs]
+            return self._fail_step([s for s, ok in zip(batch.seqs, live) if ok], exc)
         for i, handoff in result.handoffs.items():  # (held before the request ends and frees them)
             seq = batch.seqs[i]
             if seq.seq_id not in kv.failed:  # (a prefill whose KV cannot be trusted: none)
@@ -295,7 +342,9 @@ class LLMEngine:
                 handoff.blocks = list(seq.block_table)
                 self.handed_off.add(seq.request_id, handoff)
         outputs = []
-        for seq, token in zip(batch.seqs, result.tokens):
+        for seq, token, ok in zip(batch.seqs, result.tokens, live):
+            if not ok:
+                continue
             if seq.seq_id in kv.failed:
                 outputs.append(self._fail(seq, kv.failed[seq.seq_id]))
                 continue
@@ -305,8 +354,78 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq))
-        self._record_step(batch, len(outputs), time.perf_counter() - start, kv)
+        self._record_step(batch, sum(live), len(outputs), time.perf_counter() - start, kv)
+        if ahead_failed is not None:  # (those this step did not end)
+            seqs, exc = ahead_failed
+            running = set(self.scheduler.running)
+            outputs += [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in seqs
+                        if seq in running]
         return outputs
+
+    # ---- async scheduling ------------------------------------------------------------------------
+    def _live(self, batch: ScheduledBatch) -> list[bool]:
+        """Per sequence of ``batch``: still running (one of a step launched ahead may have ended
+        or been aborted since)."""
+        running = set(self.scheduler.running)
+        return [seq in running for seq in batch.seqs]
+
+    def _may_run_ahead(self, batch: ScheduledBatch, live: list[bool]) -> bool:
+        """Whether the step after ``batch`` can be launched before ``batch``'s tokens are read:
+        async scheduling on, a decode step, and the schedule it would make is known: every
+        running sequence is in ``batch`` and no waiting one could be admitted now (the next step
+        is then the decode of the same sequences)."""
+        s = self.scheduler
+        return (self.steps_ahead and not batch.is_prefill and not s.held
+                and sum(live) == len(s.running) and not s.admits_waiting())
+
+    def _run_ahead(self, step: LaunchedStep,
+                   live: list[bool]) -> tuple[list[Sequence], Exception] | None:
+        """Launch the decode step after ``step`` (kept in ``_ahead``) with ``step``'s sampled
+        tokens as its inputs, on the device. ``step``'s sequences get a placeholder for the token
+        it samples (``_complete`` writes the token over it) and their computed tokens recorded;
+        those that this token ends by length sit the next step out. When that launch raises:
+        its sequences and the error (``_complete`` fails them)."""
+        batch = step.batch
+        for seq, ok in zip(batch.seqs, live):
+            if ok:
+                seq.append_token(PLACEHOLDER_TOKEN)
+        self.scheduler.postprocess(batch, live)
+        rows = [j for j, (seq, ok) in enumerate(zip(batch.seqs, live))
+                if ok and not self._ends_by_length(seq)]
+        nxt = self.scheduler.schedule_next([batch.seqs[j] for j in rows])
+        if nxt is None or not nxt.seqs:
+            return None
+        try:
+            self._ahead = self.runner.launch(nxt, after=step, rows=rows)
+        except Exception as exc:
+            logger.exception("launching a step ahead failed; finishing its %d requests with an "
+                             "error", len(nxt))
+            return nxt.seqs, exc
+        self.stats.num_steps_ahead += 1
+        return None
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        return (len(seq.output_token_ids) >= seq.params.max_tokens
+                or len(seq) >= self.max_model_len)
+
+    def _drop_ahead(self) -> None:
+        """Wait out the step launched ahead, if any, and drop its results: its sequences' state is
+        as if it never ran (a later step computes their newest tokens again, into the same
+        slots)."""
+        step, self._ahead = self._ahead, None
+        if step is None:
+            return
+        try:
+            self.runner.collect(step)
+            self.runner.finish(step.batch)
+        except Exception:
+            logger.exception("a step launched ahead failed; its results were not needed")
+
+    def _fail_step(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
+        """One bad step must not take the engine or other requests down: its requests end with
+        the error."""
+        logger.exception("step failed; finishing its %d requests with an error", len(seqs))
+        return [self._fail(seq, f"{type(exc).__name__}: {exc}") for seq in seqs]
 
     def replace_last_token(self, request_id: str, token: int) -> RequestOutput | None:
         """Replace a running request's newest token, sampled by the last step and not yet computed,
@@ -318,6 +437,7 @@ class LLMEngine:
         seq = None if req is None else req.seq
         if seq is None or not seq.output_token_ids or seq.num_computed_tokens >= len(seq):
             raise ValueError(f"request {request_id!r} has no sampled token waiting to be computed")
+        self._drop_ahead()  # (it computes the token replaced here)
         if not 0 <= token < self.model_config.vocab_size:
             raise ValueError(f"token {token} is outside the vocabulary "
                              f"[0, {self.model_config.vocab_size})")
@@ -369,10 +489,11 @@ class LLMEngine:
             self._ended.append(seq)
         return out
 
-    def _record_step(self, batch, num_sampled: int, seconds: float, kv: StepStats) -> None:
+    def _record_step(self, batch, size: int, num_sampled: int, seconds: float,
+                     kv: StepStats) -> None:
         s = self.stats
         s.num_steps += 1
-        s.last_step_seconds, s.last_batch_size, s.last_step_prefill = (seconds, len(batch),
+        s.last_step_seconds, s.last_batch_size, s.last_step_prefill = (seconds, size,
                                                                        batch.is_prefill)
         if batch.is_prefill:
             s.prompt_tokens_total += sum(batch.num_tokens)

@@ -6,6 +6,12 @@ backend's ``prepare`` (its per-step meta, extra rows), runs the model inside ``f
 replays a graph, computes logits only for the sequences' rows that need them, samples, and moves the
 results to the host once per step; ``finish`` hands the step back to the backend. Knows nothing
 about scheduling policy, text, or what a backend does with its lifecycle.
+
+A step is ``launch`` (forward and sampling queued on the device, the results' copies to the host
+started) then ``collect`` (wait for them, per-sequence results); ``run`` does both. Between the two
+the engine may launch the next decode step (``launch(..., after=step)``), whose inputs are the
+first step's sampled tokens still on the device, so that its host work overlaps the device's
+(``LLMEngine``, async scheduling).
 """
 from __future__ import annotations
 
@@ -47,6 +53,22 @@ class StepResult:
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
     handoffs: dict[int, Handoff] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device and whose results are on their
+    way to the host (``ModelRunner.launch``; ``collect`` reads them). ``sampled``: the sequences
+    that get a next token, in ``tokens``'s order; ``tokens``: those tokens ``[n]`` int64 on the
+    device (None when none samples), what a next decode step can take as its inputs; ``host``:
+    their host copies, then the logprob tensors' when asked; ``copied``: recorded after those
+    copies on CUDA (None on a CPU, whose copies are done)."""
+    batch: ScheduledBatch
+    result: StepResult
+    sampled: list[Sequence]
+    tokens: torch.Tensor | None = None
+    host: list[torch.Tensor] = field(default_factory=list)
+    copied: torch.cuda.Event | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -158,11 +180,22 @@ class ModelRunner:
         return max(0, int(total * self.config.gpu_memory_utilization - used_by_others - peak))
 
     # ---- one step --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, forced: list[int | None] | None = None) -> StepResult:
-        """One step: forward, then the next token of every sequence whose tokens are all computed:
-        sampled, or ``forced[i]`` where that is not None (teacher forcing; its logprobs score
-        it). A ``handoff`` batch runs no forward: the backend's ``admit``."""
+        """One step: ``launch`` then ``collect``."""
+        return self.collect(self.launch(batch, forced))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, forced: list[int | None] | None = None,
+               after: LaunchedStep | None = None, rows: list[int] | None = None) -> LaunchedStep:
+        """Queue one step on the device: forward, then the next token of every sequence whose
+        tokens are all computed: sampled, or ``forced[i]`` where that is not None (teacher
+        forcing; its logprobs score it). A ``handoff`` batch runs no forward: the backend's
+        ``admit``. ``after``: a decode step's token ids are ``after.tokens[rows]`` on the device,
+        not the sequences' newest tokens (which the host does not know yet)."""
+        inputs = None
+        if after is not None:
+            inputs = (after.tokens if rows == list(range(len(after.sampled))) else
+                      after.tokens[self._to_device(rows, torch.long)])
         if self.driver is not None:
             if batch.handoff or any(s.hand_off for s in batch.seqs):
                 raise ValueError("a tensor-parallel engine neither takes nor hands off prompts")
@@ -172,11 +205,17 @@ class ModelRunner:
                 with self._device_scope():
                     hidden = self.backend.admit(batch)
             else:
-                hidden = self.forward(batch)
-            result = self._sample(batch, hidden, forced)
+                hidden = self.forward(batch, inputs)
+            step = self._launch_sample(batch, hidden, forced)
             if batch.is_prefill and not batch.handoff:
-                self._hand_off(batch, hidden, result)
-            return result
+                self._hand_off(batch, hidden, step.result)
+            return step
+
+    @property
+    def steps_ahead(self) -> bool:
+        """Whether a decode step may be launched before the previous one is collected (one rank,
+        and a backend that allows it: ``AttentionBackend.steps_ahead``)."""
+        return self.driver is None and self.backend.steps_ahead
 
     def _hand_off(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult) -> None:
         """The ``Handoff`` of each sequence with ``hand_off`` whose prefill this step ended."""
@@ -222,17 +261,20 @@ class ModelRunner:
             raise
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def forward(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model over the batch's new tokens -> final hidden states ``[T, hidden]`` (the
-        sequences' tokens, then the backend's extra rows). Runs with the engine's GPU current
-        (Triton launches on the current device; callers may be other threads)."""
+        sequences' tokens, then the backend's extra rows; ``inputs``: see ``launch``). Runs with
+        the engine's GPU current (Triton launches on the current device; callers may be other
+        threads)."""
         with self._device_scope():
             rows = self._rows(batch)
             if not batch.is_prefill and self.graphs is not None:
-                hidden = self.graphs.run(rows, batch.seqs, self.block_tables)
+                hidden = self.graphs.run(rows, batch.seqs, self.block_tables, inputs)
                 if hidden is not None:
                     return hidden
             fb = self._upload(batch, rows)
+            if inputs is not None:
+                fb.input_ids[:len(inputs)].copy_(inputs)
             if self.device.type == "cpu":
                 threads = cpu_threads(self.config.cpu_threads, fb.input_ids.shape[0])
                 if threads != torch.get_num_threads():
@@ -302,18 +344,19 @@ class ModelRunner:
              (tables, torch.int32), (rows.context_lens, torch.int32)], self.device),
             list(batch.num_tokens), [s.num_computed_tokens for s in batch.seqs], rows.meta)
 
-    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor,
-                forced: list[int | None] | None = None) -> StepResult:
+    def _launch_sample(self, batch: ScheduledBatch, hidden: torch.Tensor,
+                       forced: list[int | None] | None = None) -> LaunchedStep:
         result = StepResult([None] * len(batch), [None] * len(batch), [[] for _ in batch.seqs])
         if batch.is_prefill:
             self._prompt_logprobs(batch, hidden, result)
         sampled_seqs, logits = self.next_token_logits(batch, hidden)
+        step = LaunchedStep(batch, result, sampled_seqs)
         if not sampled_seqs:
-            return result
+            return step
         st = self._sampling_tensors(sampled_seqs)
         out = sample(logits, st, self.generator)
-        index = {id(s): i for i, s in enumerate(batch.seqs)}
         if forced is not None:  # teacher forcing: the forced tokens, scored in their place
+            index = {id(s): i for i, s in enumerate(batch.seqs)}
             want = [forced[index[id(s)]] for s in sampled_seqs]
             if any(t is not None for t in want):
                 given = self._to_device([-1 if t is None else t for t in want], torch.long)
@@ -321,21 +364,43 @@ class ModelRunner:
                 if st.max_logprobs >= 0:
                     out.token_logprobs, out.top_ids, out.top_logprobs = token_logprobs(
                         logits, out.tokens, st.max_logprobs)
-        with self._device_scope():  # (the step's work is launched, sampling included)
-            self.backend.during_step()
-            self.while_busy(self._running)
-        tokens = out.tokens.tolist()
-        lps = (_logprob_lists(out.token_logprobs, out.top_ids, out.top_logprobs)
-               if out.top_ids is not None else None)
-        for j, seq in enumerate(sampled_seqs):
-            i = index[id(seq)]
-            result.tokens[i] = tokens[j]
-            if lps is not None and seq.params.logprobs is not None:
-                lp, top_ids, top_lps = lps[j]
-                n = seq.params.logprobs
-                result.logprobs[i] = TokenLogprobs(tokens[j], lp,
-                                                   list(zip(top_ids[:n], top_lps[:n])))
-        return result
+        step.tokens = out.tokens
+        wanted = [out.tokens] + ([out.token_logprobs, out.top_ids, out.top_logprobs]
+                                 if out.top_ids is not None else [])
+        if self.device.type == "cuda":  # (copies queued now: a step launched next queues after)
+            step.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in wanted]
+            for host, t in zip(step.host, wanted):
+                host.copy_(t, non_blocking=True)
+            step.copied = torch.cuda.Event()
+            step.copied.record()
+        else:
+            step.host = wanted
+        return step
+
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's results -> its ``StepResult``."""
+        with self._ranks_in_step():
+            with self._device_scope():  # (the step's work is launched, sampling included)
+                self.backend.during_step()
+                self.while_busy(self._running)
+            result = step.result
+            if not step.sampled:
+                return result
+            if step.copied is not None:
+                step.copied.synchronize()
+            tokens = step.host[0].tolist()
+            lps = _logprob_lists(*step.host[1:]) if len(step.host) > 1 else None
+            index = {id(s): i for i, s in enumerate(step.batch.seqs)}
+            for j, seq in enumerate(step.sampled):
+                i = index[id(seq)]
+                result.tokens[i] = tokens[j]
+                if lps is not None and seq.params.logprobs is not None:
+                    lp, top_ids, top_lps = lps[j]
+                    n = seq.params.logprobs
+                    result.logprobs[i] = TokenLogprobs(tokens[j], lp,
+                                                       list(zip(top_ids[:n], top_lps[:n])))
+            return result
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult):
         """Logprobs of prompt tokens this chunk predicts: row p scores token p + 1."""
@@ -383,5 +448,5 @@ class ModelRunner:
 
 
 def _logprob_lists(chosen, top_ids, top_lps) -> list[tuple[float, list[int], list[float]]]:
-    """Device logprob tensors -> per-row host tuples, in one transfer each."""
+    """Host logprob tensors -> per-row tuples."""
     return list(zip(chosen.tolist(), top_ids.tolist(), top_lps.tolist()))

@@ -166,12 +166,40 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch) -> None:
-        """Record the computed tokens; the engine has already appended sampled tokens."""
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            seq.handoff = None
-            self.allocator.on_computed(seq)
+    def admits_waiting(self) -> bool:
+        """Whether ``schedule`` would admit a waiting sequence now (a handoff or prefill step):
+        the check ``_schedule_prefill`` makes of the queue's head, undone."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        if self._handoff_of(seq) is not None:
+            return self.allocator.can_adopt()
+        self.allocator.reuse_prefix(seq)
+        fits = self.allocator.can_allocate(seq, min(seq.num_uncomputed_tokens,
+                                                    self.max_num_batched_tokens))
+        self.allocator.free(seq)  # (a waiting sequence holds no blocks)
+        seq.num_computed_tokens = 0
+        return fits
+
+    def schedule_next(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """A decode step of ``seqs`` (running, their newest tokens not computed), scheduled while
+        the step before it still runs: one slot more each, no preemption. None when a sequence
+        cannot have its slot (the slots taken stay with their sequences: a later step needs
+        them)."""
+        for seq in seqs:
+            if not self.allocator.can_allocate(seq, 1):
+                return None
+            self.allocator.allocate(seq, 1)
+        return ScheduledBatch(list(seqs), [1] * len(seqs), is_prefill=False)
+
+    def postprocess(self, batch: ScheduledBatch, live: list[bool] | None = None) -> None:
+        """Record the computed tokens (of the sequences ``live`` marks, default all: one that
+        ended after its step was launched has nothing to record)."""
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if live is None or live[i]:
+                seq.num_computed_tokens += n
+                seq.handoff = None
+                self.allocator.on_computed(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -54,6 +54,7 @@ class ModelDrafter(Drafter):
         blocks = num_seqs * -(-max_len // 16)
         self.engine = LLMEngine(EngineConfig(model=self.path, device=self.device,
                                              num_kv_blocks=blocks, enforce_eager=True,
+                                             async_scheduling=False,  # (replace_last_token)
                                              max_model_len=max_len + 1,
                                              max_num_seqs=max(1, num_seqs)))
 

@@ -1,4 +1,5 @@
-"""GPU-only engine tests: CUDA graphs vs eager, GPU vs transformers, memory-sized KV pool."""
+"""GPU-only engine tests: CUDA graphs vs eager, async scheduling vs one step at a time, GPU vs
+transformers, memory-sized KV pool."""
 import pytest
 
 from oasiskv import LLM, SamplingParams
@@ -23,6 +24,25 @@ def test_cuda_graph_decode_equals_eager(cuda_device, fixtures_path, dtype, kv):
     got = [o.token_ids for o in graphs.generate(batch, params)]
     same = sum(a == b for a, b in zip(got, want))
     assert same == len(want) if dtype == "float32" else same >= len(want) - 2
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_async_scheduling_equals_one_step_at_a_time(cuda_device, fixtures_path, kv):
+    """Graph replays whose token ids come from the previous step on the device; requests that end
+    at different steps sit out the next step (its inputs gathered)."""
+    target = str(fixtures_path / "target")
+    kw = dict(dtype="float32", num_kv_blocks=4096, max_model_len=4096, kv_cache_dtype=kv,
+              max_graph_batch=32)
+    sync = LLM(target, async_scheduling=False, **kw)
+    batch = eval_prompts(fixtures_path, sync, 12, 500, seed=4)
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True)
+              for i in range(len(batch))]
+    want = [o.token_ids for o in sync.generate(batch, params)]
+    del sync
+    ahead = LLM(target, **kw)
+    assert ahead.engine.runner.graphs is not None
+    assert [o.token_ids for o in ahead.generate(batch, params)] == want
+    assert ahead.engine.stats.num_steps_ahead > 30
 
 
 def test_gpu_greedy_matches_transformers_on_fixture(cuda_device, fixtures_path):

@@ -23,12 +23,12 @@ class FailAfter:
     def __init__(self, real, calls: int = 0):
         self.real, self.calls, self.raised = real, calls, False
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if not self.raised and self.calls == 0:
             self.raised = True
             raise RuntimeError("injected fault")
         self.calls -= 1
-        return self.real(*args)
+        return self.real(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def _check_recovered(http) -> None:
 
 def test_model_failure_inside_step_is_a_500(live, monkeypatch):
     engine, http = live
-    monkeypatch.setattr(engine.runner, "run", FailAfter(engine.runner.run))
+    monkeypatch.setattr(engine.runner, "launch", FailAfter(engine.runner.launch))
     resp = http.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 8})
     error = assert_openai_error(resp, 500)
     assert error["type"] == "server_error" and "injected fault" in error["message"]

@@ -96,13 +96,13 @@ def test_a_failing_step_fails_its_requests_only(tiny, monkeypatch):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     first = engine.add_request([1, 2, 3], params)
     engine.step()  # prefill of the first request
-    real_run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run",
-                        lambda batch, forced=None: (_ for _ in ()).throw(RuntimeError("boom")))
+    real_launch = engine.runner.launch
+    monkeypatch.setattr(engine.runner, "launch",
+                        lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("boom")))
     failed = engine.step()
     assert [(o.request_id, o.finish_reason) for o in failed] == [(first, "error")]
     assert "boom" in failed[0].error
-    monkeypatch.setattr(engine.runner, "run", real_run)
+    monkeypatch.setattr(engine.runner, "launch", real_launch)
     second = engine.add_request([4, 5], params)
     outs = []
     while engine.has_unfinished():
