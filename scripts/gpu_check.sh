@@ -103,10 +103,11 @@ for stage in $stages; do
         fi
       done
       export PYTHONPATH=$PWD ;;
-    dense-dtypes)  # dense 32K x max with each KV dtype in DENSE_DTYPES (default: auto fp8)
+    dense-dtypes)  # dense 32K x max with each KV dtype in DENSE_DTYPES (default: auto fp8); DENSE_FLAGS
+      # adds bench flags (e.g. --no-async-scheduling)
       for dt in ${DENSE_DTYPES:-auto fp8}; do
         bench "dense-$dt" --context-lens 32768 --concurrency max --output-lens 32 --max-num-seqs 128 \
-          --kv-cache-dtype "$dt"
+          --kv-cache-dtype "$dt" ${DENSE_FLAGS:-}
       done ;;
     open-block)  # dense FP8 32K x max, open blocks in bf16 (OPEN_MODES: model kv) in turn
       for ob in ${OPEN_MODES:-kv model}; do
@@ -250,9 +251,10 @@ for stage in $stages; do
       python3 -m oasiskv.bench.uva_gather 2>&1 | tee "$OUT/uva_gather.log" | grep -v '^{'
       summary+=("gather: see table above") ;;
     profile)  # dense decode, PROFILE_CONC (default 32) x PROFILE_LEN (default 8K), KV_DTYPE: per-stream
-      # kernel time
+      # kernel time; PROFILE_FLAGS adds flags (e.g. --compare-sync: then async scheduling off)
       python3 scripts/profile_decode.py qwen3-8b --context-lens "${PROFILE_LEN:-8192}" \
-        --concurrency "${PROFILE_CONC:-32}" --max-num-seqs "${PROFILE_CONC:-32}" --kv-cache-dtype "$KV_DTYPE" 2>&1 \
+        --concurrency "${PROFILE_CONC:-32}" --max-num-seqs "${PROFILE_CONC:-32}" --kv-cache-dtype "$KV_DTYPE" \
+        ${PROFILE_FLAGS:-} 2>&1 \
         | tee "$OUT/profile_dense.log" | grep -v '^{'
       summary+=("profile: $(grep -h 'host wall' "$OUT"/profile_dense.log | tr '\n' ' ')") ;;
     profile-oasis)  # the oasis-emulated point, prefetch async then off: per-stream kernel time

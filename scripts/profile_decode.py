@@ -166,7 +166,7 @@ HOST_STAGES = [("runner", "held_back"), ("scheduler", "schedule"), ("runner", "_
                ("runner", "_rows"), ("runner.backend", "prepare"), ("runner", "_upload"),
                ("runner.block_tables", "build"), ("runner.block_tables", "fill"),
                ("runner.graphs", "run"), ("runner.backend", "during_step"),
-               ("runner", "_sample"), ("scheduler", "postprocess"),
+               ("runner", "launch"), ("runner", "collect"), ("scheduler", "postprocess"),
                ("runner", "finish"), ("runner.backend.lookahead", "advance"),
                ("runner.backend.lookahead.drafter", "propose"), ("", "_stop_reason"),
                ("", "_output"), ("", "_record_step")]
@@ -179,14 +179,15 @@ def _median(ranked: list[float]) -> float:
 def host_stages(engine: LLMEngine, steps: int) -> None:
     """Wall time per step of each host stage (``HOST_STAGES``; nested stages count in their
     callers too) and the gap the GPU waits through with prefetch off: from the step's tokens
-    reaching the host (the end of ``_sample``, which waits for them) to the next replay's launch
+    reaching the host (the end of ``collect``, which waits for them) to the next replay's launch
     (the start of ``graphs.run``; its copies into the static buffers count in the gap).
 
     Also the GPU's own idle time there, without a profiler: a CUDA event recorded on the current
-    stream as ``_sample`` is entered completes when the replay's work is done, one recorded as
+    stream as ``collect`` is entered completes when the replay's work is done, one recorded as
     ``graphs.run`` starts completes as the GPU reaches it, at once if the stream is empty; the
     time between them is the GPU idle, an upper bound: the sampling kernels and the tokens' copy
-    in between count as idle."""
+    in between count as idle. (Steps run one at a time: with async scheduling the next step is
+    launched before ``collect``, and these gaps are not the GPU's.)"""
     totals: dict[str, float] = defaultdict(float)
     marks = {"tokens": None, "gaps": [], "events": [], "last": None}
     restore = []
@@ -204,14 +205,14 @@ def host_stages(engine: LLMEngine, steps: int) -> None:
             if name == "run" and marks["tokens"] is not None:
                 marks["gaps"].append(t0 - marks["tokens"])
                 marks["events"].append((marks["last"], event()))
-            if name == "_sample":
+            if name == "collect":
                 marks["last"] = event()
             try:
                 return original(*args, **kwargs)
             finally:
                 t1 = time.perf_counter()
                 totals[f"{type(owner).__name__}.{name}"] += t1 - t0
-                if name == "_sample":
+                if name == "collect":
                     marks["tokens"] = t1
         setattr(owner, name, call)
         restore.append((owner, name))
@@ -244,7 +245,8 @@ def measure(engine: LLMEngine, timed: int, profiled: int, top: int,
             python_top: int = 0, stages: bool = False) -> tuple[float, dict]:
     for _ in range(3):
         engine.step()
-    torch.cuda.synchronize()
+    # (no device sync here: with async scheduling a step is in flight between two calls, and
+    # letting it finish first would make the first timed step free)
     t0 = time.perf_counter()
     for _ in range(timed):
         engine.step()
@@ -271,6 +273,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=8, help="kernels listed per stream")
     parser.add_argument("--compare-prefetch-off", action="store_true")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="then the same requests with async scheduling off (steps one at a "
+                             "time)")
     parser.add_argument("--python-top", type=int, default=0,
                         help="also list this many Python functions by host time (cProfile)")
     parser.add_argument("--shared-prompts", action="store_true",
@@ -284,7 +289,7 @@ def main() -> None:
         context, concurrency = int(args.context_lens), int(args.concurrency)
     except ValueError:
         sys.exit("profile_decode.py takes one --context-lens and one --concurrency (numbers)")
-    phases = 2 if args.compare_prefetch_off else 1
+    phases = 1 + args.compare_prefetch_off + args.compare_sync
     timed = args.timed_steps * (1 + bool(args.python_top) + args.host_stages)
     args.output_lens = str(phases * (timed + args.profile_steps + 5) + 2)
     fit_defaults(args)
@@ -300,7 +305,7 @@ def main() -> None:
     while engine.stats.num_waiting or engine.stats.last_step_prefill or not engine.stats.num_steps:
         engine.step()
     print(f"{args.model} {config.kv_mode} context={context} requests={concurrency} "
-          f"draft={config.tier.draft!r} "
+          f"async={engine.steps_ahead} draft={config.tier.draft!r} "
           f"prefetch={config.tier.prefetch} graphs={engine.runner.graphs is not None}; prefill "
           f"{time.perf_counter() - t0:.1f} s; running {len(engine.scheduler.running)}")
     wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top, args.python_top,
@@ -317,6 +322,13 @@ def main() -> None:
         report("prefetch=off (same requests"
                + (", graphs recaptured)" if engine.runner.graphs else ")"), wall, stats)
         result["phases"].append({"prefetch": "off", "wall_ms": wall, **stats})
+    if args.compare_sync:
+        ahead, engine.steps_ahead = engine.steps_ahead, False
+        wall, stats = measure(engine, args.timed_steps, args.profile_steps, args.top,
+                              args.python_top, args.host_stages)
+        report(f"async scheduling off (same requests; it was {'on' if ahead else 'off'})", wall,
+               stats)
+        result["phases"].append({"async_scheduling": False, "wall_ms": wall, **stats})
     print(json.dumps(result))
 
 

@@ -100,6 +100,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV block; 0 = the engine's default for the KV mode and "
                              "dtype")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="launch each decode step before the last one's tokens are read "
+                             "(dense KV)")
     parser.add_argument("--kv-mode", default="dense", help="dense or oasis (tiered KV)")
     parser.add_argument("--topk-blocks", type=int, default=128, help="oasis: K")
     parser.add_argument("--fetch-ratio", type=float, default=0.05, help="oasis: f_HBM")
@@ -132,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         max_graph_batch=args.max_num_seqs, kv_mode=args.kv_mode,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         topk_blocks=args.topk_blocks, fetch_ratio=args.fetch_ratio, host_kv_gib=args.host_kv_gib,
@@ -228,7 +232,7 @@ def _label(engine: LLMEngine) -> str:
     c = engine.config
     kv = "" if c.kv_cache_dtype == "auto" else "-" + c.kv_cache_dtype
     if c.kv_mode == "dense":
-        return "oasiskv" + kv
+        return "oasiskv" + kv + ("" if engine.steps_ahead else "-sync")
     t = c.tier
     if t.lookahead:
         mode = f"{t.draft.partition(':')[0]}-{t.prefetch}"
