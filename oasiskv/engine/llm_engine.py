@@ -372,11 +372,18 @@ class LLMEngine:
     def _may_run_ahead(self, batch: ScheduledBatch, live: list[bool]) -> bool:
         """Whether the step after ``batch`` can be launched before ``batch``'s tokens are read:
         async scheduling on, a decode step, and the schedule it would make is known: every
-        running sequence is in ``batch`` and no waiting one could be admitted now (the next step
-        is then the decode of the same sequences)."""
+        running sequence is in ``batch``, and no waiting one could be admitted now nor once
+        ``batch``'s tokens end some by length (the next step is then the decode of the same
+        sequences). (A request that a stop token ends frees its KV after the next step is
+        launched: one it lets in waits a step longer than one step at a time.)"""
         s = self.scheduler
-        return (self.steps_ahead and not batch.is_prefill and not s.held
-                and sum(live) == len(s.running) and not s.admits_waiting())
+        if not (self.steps_ahead and not batch.is_prefill and not s.held
+                and sum(live) == len(s.running)):
+            return False
+        if s.waiting and any(ok and self._ends_by_length(seq, 1) for seq, ok in zip(batch.seqs,
+                                                                                   live)):
+            return False  # (what it frees may admit a waiting one)
+        return not s.admits_waiting()
 
     def _run_ahead(self, step: LaunchedStep,
                    live: list[bool]) -> tuple[list[Sequence], Exception] | None:
@@ -391,7 +398,7 @@ class LLMEngine:
                 seq.append_token(PLACEHOLDER_TOKEN)
         self.scheduler.postprocess(batch, live)
         rows = [j for j, (seq, ok) in enumerate(zip(batch.seqs, live))
-                if ok and not self._ends_by_length(seq)]
+                if ok and not self._ends_by_length(seq, 0)]
         nxt = self.scheduler.schedule_next([batch.seqs[j] for j in rows])
         if nxt is None or not nxt.seqs:
             return None
@@ -404,19 +411,21 @@ class LLMEngine:
         self.stats.num_steps_ahead += 1
         return None
 
-    def _ends_by_length(self, seq: Sequence) -> bool:
-        return (len(seq.output_token_ids) >= seq.params.max_tokens
-                or len(seq) >= self.max_model_len)
+    def _ends_by_length(self, seq: Sequence, pending: int) -> bool:
+        """Whether ``seq`` ends by length once ``pending`` more tokens are appended (one of
+        ``_stop_reason``'s rules)."""
+        return (len(seq.output_token_ids) + pending >= seq.params.max_tokens
+                or len(seq) + pending >= self.max_model_len)
 
     def _drop_ahead(self) -> None:
-        """Wait out the step launched ahead, if any, and drop its results: its sequences' state is
-        as if it never ran (a later step computes their newest tokens again, into the same
-        slots)."""
+        """Wait out the step launched ahead, if any, and drop its results: its sequences' state and
+        the sampling generators are as if it never ran (a later step computes their newest tokens
+        again, into the same slots)."""
         step, self._ahead = self._ahead, None
         if step is None:
             return
         try:
-            self.runner.collect(step)
+            self.runner.drop(step)
             self.runner.finish(step.batch)
         except Exception:
             logger.exception("a step launched ahead failed; its results were not needed")

@@ -69,6 +69,8 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None
     host: list[torch.Tensor] = field(default_factory=list)
     copied: torch.cuda.Event | None = None
+    #: the random generators its sampling drew from, each with its state before (``drop``)
+    rng: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -192,24 +194,32 @@ class ModelRunner:
         forcing; its logprobs score it). A ``handoff`` batch runs no forward: the backend's
         ``admit``. ``after``: a decode step's token ids are ``after.tokens[rows]`` on the device,
         not the sequences' newest tokens (which the host does not know yet)."""
-        inputs = None
-        if after is not None:
-            inputs = (after.tokens if rows == list(range(len(after.sampled))) else
-                      after.tokens[self._to_device(rows, torch.long)])
         if self.driver is not None:
             if batch.handoff or any(s.hand_off for s in batch.seqs):
                 raise ValueError("a tensor-parallel engine neither takes nor hands off prompts")
             self.driver.step(batch, forced, self.backend.sequence_state)
-        with self._ranks_in_step():
+        # (the device current: the step's events and copies go on its stream, whichever thread
+        # drives the engine)
+        with self._ranks_in_step(), self._device_scope():
+            inputs = None
+            if after is not None:
+                inputs = (after.tokens if rows == list(range(len(after.sampled))) else
+                          after.tokens[self._to_device(rows, torch.long)])
             if batch.handoff:
-                with self._device_scope():
-                    hidden = self.backend.admit(batch)
+                hidden = self.backend.admit(batch)
             else:
                 hidden = self.forward(batch, inputs)
             step = self._launch_sample(batch, hidden, forced)
             if batch.is_prefill and not batch.handoff:
                 self._hand_off(batch, hidden, step.result)
             return step
+
+    def drop(self, step: LaunchedStep) -> None:
+        """A launched step whose results no one takes: wait for it and put the generators it drew
+        from back as they were, as if it never ran (a later step draws the same numbers)."""
+        self.collect(step)
+        for generator, state in step.rng:
+            generator.set_state(state)
 
     @property
     def steps_ahead(self) -> bool:
@@ -354,6 +364,9 @@ class ModelRunner:
         if not sampled_seqs:
             return step
         st = self._sampling_tensors(sampled_seqs)
+        if not st.all_greedy:
+            step.rng = [(g, g.get_state()) for g in
+                        [self.generator] + [g for g in st.generators if g is not None]]
         out = sample(logits, st, self.generator)
         if forced is not None:  # teacher forcing: the forced tokens, scored in their place
             index = {id(s): i for i, s in enumerate(batch.seqs)}

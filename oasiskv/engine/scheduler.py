@@ -168,7 +168,9 @@ class Scheduler:
 
     def admits_waiting(self) -> bool:
         """Whether ``schedule`` would admit a waiting sequence now (a handoff or prefill step):
-        the check ``_schedule_prefill`` makes of the queue's head, undone."""
+        the check ``_schedule_prefill`` makes of the queue's head, undone (references and counts
+        as before; the head's cached prefix blocks move to the free list's tail, as that check
+        moves them)."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         seq = self.waiting[0]

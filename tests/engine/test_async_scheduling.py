@@ -83,11 +83,14 @@ def test_teacher_forcing_and_replaced_tokens_drop_the_step_launched_ahead(engine
     sampled token: it is dropped and runs again."""
     sync, ahead = engines
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    requests = {"a": (PROMPTS[2], params), "b": (PROMPTS[3], params)}
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    requests = {"a": (PROMPTS[2], params), "b": (PROMPTS[3], params), "c": (PROMPTS[4], seeded)}
     forced = {6: {"a": 5}, 7: {"a": 9, "b": 11}}
+    # (the dropped step drew from the seeded generator: its draws are undone)
     assert drive(ahead, requests, forced=forced) == drive(sync, requests, forced=forced)
 
     def replaced(eng):
+        eng.add_request(PROMPTS[4], seeded, request_id="s")
         eng.add_request(PROMPTS[2], params, request_id="r")
         outs, step = [], 0
         while eng.has_unfinished():
@@ -144,4 +147,9 @@ def test_requests_queued_for_kv_wait_while_steps_run_ahead():
     sync = engine(False, num_kv_blocks=10)
     ahead = engine(True, num_kv_blocks=10)
     assert drive_small(ahead) == drive_small(sync)
+    assert len(waited) > 10
+    # two sequence slots: each request that ends by length lets the next one in at once
+    waited.clear()
+    assert (drive_small(engine(True, max_num_seqs=2))
+            == drive_small(engine(False, max_num_seqs=2)))
     assert len(waited) > 10
