@@ -60,6 +60,8 @@ class _EngineCollector:
             ("oasiskv_generation_tokens", "Tokens generated", s.generation_tokens_total),
             ("oasiskv_num_preemptions", "Sequences preempted for lack of KV blocks",
              s.num_preemptions),
+            ("oasiskv_num_steps_ahead", "Decode steps launched before the previous step's tokens "
+             "were read (async scheduling)", s.num_steps_ahead),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -45,7 +45,7 @@ def test_models_health_metrics(server, client, model_name):
                  "oasiskv_kv_blocks_used", "oasiskv_kv_blocks_free", "oasiskv_prompt_tokens_total",
                  "oasiskv_generation_tokens_total", "oasiskv_time_to_first_token_seconds_count",
                  "oasiskv_time_per_output_token_seconds_count",
-                 "oasiskv_e2e_request_latency_seconds_count"):
+                 "oasiskv_e2e_request_latency_seconds_count", "oasiskv_num_steps_ahead_total"):
         assert name in m
     assert m["oasiskv_kv_blocks_total"] == NUM_KV_BLOCKS
 
