@@ -306,14 +306,14 @@ class LLMEngine:
         ran_ahead = forced is None and self._may_run_ahead(batch, live)
         if ran_ahead:
             ahead_failed = self._run_ahead(step, live)
+        live_seqs = [s for s, ok in zip(batch.seqs, live) if ok]
         try:
             result = self.runner.collect(step)
         except Exception as exc:
-            seqs = [s for s, ok in zip(batch.seqs, live) if ok]
             if ran_ahead:  # (no token replaces their placeholders)
-                for seq in seqs:
+                for seq in live_seqs:
                     seq.token_ids.pop(), seq.output_token_ids.pop()
-            return self._fail_step(seqs, exc)
+            return self._fail_step(live_seqs, exc)
         if not ran_ahead:
             self.scheduler.postprocess(batch, live)
         now = time.monotonic()
@@ -334,7 +334,7 @@ class LLMEngine:
         try:
             kv = self.runner.finish(batch)
         except Exception as exc:  # the step's deferred work failed: its results cannot be trusted
-            return self._fail_step([s for s, ok in zip(batch.seqs, live) if ok], exc)
+            return self._fail_step(live_seqs, exc)
         for i, handoff in result.handoffs.items():  # (held before the request ends and frees them)
             seq = batch.seqs[i]
             if seq.seq_id not in kv.failed:  # (a prefill whose KV cannot be trusted: none)
@@ -354,7 +354,7 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq))
-        self._record_step(batch, sum(live), len(outputs), time.perf_counter() - start, kv)
+        self._record_step(batch, len(live_seqs), len(outputs), time.perf_counter() - start, kv)
         if ahead_failed is not None:  # (those this step did not end)
             seqs, exc = ahead_failed
             running = set(self.scheduler.running)
@@ -465,7 +465,7 @@ class LLMEngine:
             return "stop"
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+        if self._ends_by_length(seq, 0):
             return "length"
         return None
 
