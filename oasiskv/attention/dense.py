@@ -129,13 +129,13 @@ class DenseBackend(SlotBackend):
         prefixes = ({i: self._prefix(layer, batch, i) for i, n in enumerate(batch.prefix_lens)
                      if n} if batch.is_prefill else {})
         if self.k_cache:
+            if step is not None and not batch.is_prefill and layer == 0:
+                # one row per sequence, in its last block
+                step.rows = step.slots.long() * self.block_size + batch.positions % self.block_size
             self._store(k, v, self.k_cache[layer], self.v_cache[layer], batch.slot_mapping,
-                        scales=self.scales[layer])
-            if step is not None:
-                if not batch.is_prefill and layer == 0:  # one row per sequence, in its last block
-                    step.rows = (step.slots.long() * self.block_size
-                                 + batch.positions % self.block_size)
-                self._store(k, v, self.open_k[layer], self.open_v[layer], step.rows)
+                        scales=self.scales[layer],
+                        open_block=None if step is None else (self.open_k[layer],
+                                                              self.open_v[layer], step.rows))
         if not batch.is_prefill:
             opened = (None if step is None else
                       OpenBlocks(self.open_k[layer], self.open_v[layer], step.slots))

@@ -16,9 +16,12 @@ from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, quantize_rows,
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 open_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> None:
     """Write ``k[i]``/``v[i]`` (``[N, num_kv_heads, head_dim]``) into cache slot
-    ``slot_mapping[i]``.
+    ``slot_mapping[i]``, and with ``open_block`` ``(open_k, open_v, open_slots)`` also, cast and
+    unquantised, into slot ``open_slots[i]`` of ``open_k``/``open_v``.
 
     Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (or strided views of that shape,
     e.g. a layer of the host store), written in place with values cast to their dtype; slot =
@@ -26,6 +29,8 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     (``quantize_rows(..., search=True)``) with ``scales`` ``(k_scale, v_scale)`` ``[num_blocks,
     num_kv_heads, block_size]`` written too, V in the V layout (``fp8.v_rows``).
     """
+    if open_block is not None:
+        store_kv_ref(k, v, *open_block)
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

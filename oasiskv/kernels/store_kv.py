@@ -87,13 +87,17 @@ def _searched_e4m3(x, base, steps_ptr, QMAX: tl.constexpr, STEPS: tl.constexpr):
 
 @triton.jit
 def _store_rows(x_ptr, cache_ptr, scale_ptr, steps_ptr, cache_off, scale_off, mask, row_mask,
+                open_ptr, open_off, open_mask,
                 QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr,
-                INT: tl.constexpr, STEPS: tl.constexpr):
+                INT: tl.constexpr, STEPS: tl.constexpr, OPEN: tl.constexpr):
     """Store rows ``[BLOCK_H, BLOCK_D]`` (``mask``) into the cache: cast, or (QUANT) quantised per
     row to e4m3, or (INT) to int8, with QMAX the format's largest value, its scale written at
     ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask`` (``kernels/fp8.py``). STEPS > 1 (e4m3): the
-    scale is searched among the STEPS multipliers at ``steps_ptr`` (``_searched_e4m3``)."""
-    x = tl.load(x_ptr, mask=mask, other=0.0)
+    scale is searched among the STEPS multipliers at ``steps_ptr`` (``_searched_e4m3``). OPEN:
+    the rows are also copied, cast to its dtype, to ``open_ptr + open_off`` where ``open_mask``."""
+    x = tl.load(x_ptr, mask=mask | open_mask, other=0.0)
+    if OPEN:
+        tl.store(open_ptr + open_off, x.to(open_ptr.dtype.element_ty), mask=open_mask)
     if QUANT:
         x = x.to(tl.float32)
         # IEEE divisions: the torch reference rounds the same way
@@ -110,22 +114,31 @@ def _store_rows(x_ptr, cache_ptr, scale_ptr, steps_ptr, cache_off, scale_off, ma
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, steps_ptr,
+    open_k_ptr, open_v_ptr, open_slot_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kch, stride_vcb, stride_vch, stride_cs,
-    stride_sb, stride_sh,
+    stride_sb, stride_sh, stride_ob, stride_oh,
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr, INT: tl.constexpr,
-    STEPS: tl.constexpr,
+    STEPS: tl.constexpr, OPEN: tl.constexpr,
 ):
     """Program ``(token, h)`` copies the token's K and V rows of heads ``h * BLOCK_H`` ..
-    ``(h + 1) * BLOCK_H - 1`` into its cache slot (QUANT: as 8-bit rows with their scales)."""
+    ``(h + 1) * BLOCK_H - 1`` into its cache slot (QUANT: as 8-bit rows with their scales), and
+    with OPEN also, unquantised, into its slot of the open-block caches (``open_slot_ptr``)."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     row_mask = (heads < num_heads) & (slot >= 0)
     mask = row_mask & (dims < head_dim)
+    if OPEN:
+        open_slot = tl.load(open_slot_ptr + tok).to(tl.int64)
+        open_mask = (heads < num_heads) & (open_slot >= 0) & (dims < head_dim)
+        open_off = ((open_slot // BLOCK_SIZE) * stride_ob + heads * stride_oh
+                    + (open_slot % BLOCK_SIZE) * head_dim + dims)
+    else:
+        open_mask, open_off = mask & False, 0
     blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     in_blk = off * stride_cs + dims
     # 8-bit V in the V layout (kernels/fp8.py): a block's bytes token-minor
@@ -133,15 +146,18 @@ def _store_kv_kernel(
     scale_off = blk * stride_sb + heads * stride_sh + off
     _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, k_cache_ptr,
                 k_scale_ptr, steps_ptr, blk * stride_kcb + heads * stride_kch + in_blk, scale_off,
-                mask, row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS)
+                mask, row_mask, open_k_ptr, open_off, open_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS,
+                OPEN)
     _store_rows(v_ptr + tok * stride_vn + heads * stride_vh + dims, v_cache_ptr,
                 v_scale_ptr, steps_ptr, blk * stride_vcb + heads * stride_vch + v_in_blk, scale_off,
-                mask, row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS)
+                mask, row_mask, open_v_ptr, open_off, open_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS,
+                OPEN)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor,
-             scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+             scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+             open_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``k[i]``/``v[i]`` into cache slot ``slot_mapping[i]``, in place; negative slots are
     skipped.
 
@@ -153,8 +169,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (``float8_e4m3fn``, ``int8``) come with ``scales``: float32 ``(k_scale, v_scale)``, the
     caches' shape without the last dim (same strides for both), last-dim stride 1: each row is
     quantised with its own scale (``kernels/fp8.py``; e4m3 rows with the searched one,
-    ``quantize_rows(..., search=True)``), V in the V layout (``fp8.v_rows``). Does not
-    synchronize; CUDA-graph capturable.
+    ``quantize_rows(..., search=True)``), V in the V layout (``fp8.v_rows``). ``open_block``
+    ``(open_k, open_v, open_slots)``: the same rows also go, cast and unquantised, to slot
+    ``open_slots[i]`` (``[N]``, negative: skipped) of ``open_k``/``open_v``, contiguous caches of
+    the cache's block and head shape (an 8-bit pool's open blocks, ``kernels/fp8.py``), in the same
+    launch. Does not synchronize; CUDA-graph capturable.
     """
     n, num_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -170,6 +189,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slot_mapping = slot_mapping.contiguous()  # read as a packed array
     k_scale, v_scale = check_scales(scales, k_cache, k.device)
     assert k_scale.stride() == v_scale.stride()
+    if open_block is not None:
+        open_k, open_v, open_slots = open_block
+        assert (open_k.shape == open_v.shape and open_k.shape[1:] == k_cache.shape[1:]
+                and open_k.is_contiguous() and open_v.is_contiguous()), (
+            f"open blocks {tuple(open_k.shape)} do not fit cache {tuple(k_cache.shape)}")
+        assert open_slots.shape == (n,) and open_slots.dtype in (torch.int32, torch.int64)
+        open_slots = open_slots.contiguous()
+    else:
+        open_k, open_v, open_slots = k_cache, v_cache, slot_mapping  # (never read)
     if n == 0:
         return
     # e4m3: the scale search's candidates fill a program of one row each; else a token's rows
@@ -177,11 +205,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_h = 1 if steps > 1 else triton.next_power_of_2(num_heads)
     _store_kv_kernel[(n, triton.cdiv(num_heads, block_h))](
         k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, scale_steps(k.device),
+        open_k, open_v, open_slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
+        k_cache.stride(2), k_scale.stride(0), k_scale.stride(1), open_k.stride(0), open_k.stride(1),
         num_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim),
         QMAX=QUANT_MAX.get(k_cache.dtype, 1.0), MIN_AMAX=MIN_AMAX, QUANT=scales is not None,
-        INT=k_cache.dtype == INT8, STEPS=steps,
+        INT=k_cache.dtype == INT8, STEPS=steps, OPEN=open_block is not None,
     )

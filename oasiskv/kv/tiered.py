@@ -319,9 +319,9 @@ class TieredKV:
     def store_local(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: DecodeRows) -> None:
         """Append each row's new K/V ``[N, Hk, D]`` to its local block (and its open block)."""
         local_k, local_v = self.ws.local(layer)
-        self._store(k, v, local_k, local_v, rows.local_index, scales=self.ws.local_scales(layer))
-        if self.open_blocks:
-            self._store(k, v, self.ws.open_k[layer], self.ws.open_v[layer], rows.local_index)
+        self._store(k, v, local_k, local_v, rows.local_index, scales=self.ws.local_scales(layer),
+                    open_block=(self.ws.open_k[layer], self.ws.open_v[layer], rows.local_index)
+                    if self.open_blocks else None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: TierStep, scale: float) -> torch.Tensor:

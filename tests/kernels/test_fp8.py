@@ -172,6 +172,38 @@ def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, block, kv):
         assert scale.transpose(1, 2).reshape(-1, heads)[~written].isnan().all()
 
 
+@pytest.mark.parametrize("kv", [FP8, INT8, torch.bfloat16], ids=["fp8", "int8", "bf16"])
+@pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
+def test_store_kv_copies_rows_to_their_open_blocks_in_the_same_launch(fn, kv):
+    """With ``open_block`` the cache gets the same bytes as without, and each row with an open
+    slot >= 0 also lands, unquantised, in that slot (a row with no cache slot too); nothing else
+    of the open blocks changes."""
+    gen = torch.Generator().manual_seed(4)
+    n, heads, dim, blocks, block, open_slots = 6, 2, 32, 3, 16, 4
+    k, v = ((torch.randn(n, heads, dim, generator=gen) * 5).bfloat16() for _ in range(2))
+    slots = torch.tensor([0, 17, -1, 5, 47, 18])
+    rows = torch.tensor([3, -1, 18, 33, 63, 0])  # (slot * block + offset, -1: none)
+    quant = kv in (FP8, INT8)
+    caches = [[blank((blocks, heads, block, dim), kv) if quant else
+               torch.full((blocks, heads, block, dim), NAN, dtype=kv) for _ in range(2)]
+              for _ in range(2)]
+    scales = [tuple(torch.full((blocks, heads, block), NAN) for _ in range(2)) if quant else None
+              for _ in range(2)]
+    open_k, open_v = (torch.full((open_slots, heads, block, dim), NAN, dtype=torch.bfloat16)
+                      for _ in range(2))
+    fn(k, v, *caches[0], slots, scales=scales[0], open_block=(open_k, open_v, rows))
+    fn(k, v, *caches[1], slots, scales=scales[1])
+    for got, want in zip(caches[0] + list(scales[0] or ()), caches[1] + list(scales[1] or ())):
+        torch.testing.assert_close(bits(got), bits(want), rtol=0, atol=0, equal_nan=True)
+    keep = rows >= 0
+    for x, opened in ((k, open_k), (v, open_v)):
+        flat = opened.transpose(1, 2).reshape(-1, heads, dim)
+        assert torch.equal(flat[rows[keep]], x[keep])
+        written = torch.zeros(open_slots * block, dtype=torch.bool)
+        written[rows[keep]] = True
+        assert flat[~written].isnan().all()
+
+
 @pytest.mark.parametrize("lens,group", [([5, 40, 0, 17], 2), ([64, 33], 4)])
 @pytest.mark.parametrize("block", [16, 32])  # (32: a dense 8-bit pool's default)
 @KV_DTYPES
@@ -531,8 +563,8 @@ def cpu(*xs):
 @pytest.mark.gpu
 @KV_DTYPES
 def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device, kv):
-    """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16), bf16 queries: the compiled store, paged and
-    sparse decode, UVA gather from pinned memory and summaries on FP8 rows vs the references (run
+    """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16), bf16 queries: the compiled store (with open
+    blocks), paged and sparse decode, UVA gather from pinned memory and summaries on FP8 rows vs the references (run
     on CPU copies)."""
     torch.manual_seed(0)
     dev, heads, group, dim, block = cuda_device, 8, 4, 128, 16
@@ -542,10 +574,17 @@ def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_devi
     kc, vc = (blank((32, heads, block, dim), kv, dev) for _ in range(2))
     sc = tuple(torch.full((32, heads, block), NAN, device=dev) for _ in range(2))
     kr, vr, sr = cpu(kc.clone(), vc.clone(), tuple(x.clone() for x in sc))
-    store_kv(k, v, kc, vc, slots, scales=sc)
-    store_kv_ref(*cpu(k, v), kr, vr, slots.cpu(), scales=sr)
+    # (with each row's copy into an open block, as decode stores them: every 3rd row has none)
+    ok, ov = (torch.full((200, heads, block, dim), NAN, device=dev, dtype=torch.bfloat16)
+              for _ in range(2))
+    rows = torch.arange(200, device=dev) * block + torch.arange(200, device=dev) % block
+    rows[::3] = -1
+    okr, ovr = cpu(ok.clone(), ov.clone())
+    store_kv(k, v, kc, vc, slots, scales=sc, open_block=(ok, ov, rows))
+    store_kv_ref(*cpu(k, v), kr, vr, slots.cpu(), scales=sr, open_block=(okr, ovr, rows.cpu()))
     assert torch.equal(bits(kc).cpu(), bits(kr)) and torch.equal(bits(vc).cpu(), bits(vr))
     torch.testing.assert_close(cpu(*sc), list(sr), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(cpu(ok, ov), [okr, ovr], rtol=0, atol=0, equal_nan=True)
     # paged decode over the quantised pool (rows never written made readable: zeros)
     for cache in (kc, vc):
         bits(cache)[is_blank(cache)] = 0
