@@ -199,12 +199,13 @@ for stage in $stages; do
       python3 -m oasiskv.bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
       summary+=("kernels: $(tail -1 "$OUT/kernels.log" | cut -c1-300)") ;;
     kernels-fp8)  # paged decode, bf16 vs 8-bit caches (KERNEL_DTYPES: auto fp8 int8), at the dense
-      # 32K batches of each (24 / 46);
-      # FP8 also sweeps the launch configs (LAUNCH_SWEEP=1)
+      # 32K batches of each (24 / 46; KERNEL_BATCHES);
+      # FP8 also sweeps the launch configs (LAUNCH_SWEEP=1); KERNEL_FLAGS adds flags (e.g.
+      # "--block-size 32 --open-block --sweep-splits")
       for dt in ${KERNEL_DTYPES:-auto fp8}; do
         sweep=""; [ "$dt" = fp8 ] && [ -n "${LAUNCH_SWEEP:-}" ] && sweep=--sweep-launch
-        python3 -m oasiskv.bench.kernels --kv-cache-dtype "$dt" --batches 46,24 --contexts 32768 \
-          $sweep 2>&1 | tee "$OUT/kernels-$dt.log" | grep -v '^{'
+        python3 -m oasiskv.bench.kernels --kv-cache-dtype "$dt" --batches "${KERNEL_BATCHES:-46,24}" \
+          --contexts 32768 $sweep ${KERNEL_FLAGS:-} 2>&1 | tee "$OUT/kernels-$dt.log" | grep -v '^{'
       done
       summary+=("kernels-fp8: see tables above") ;;
     kernel-compare)  # paged decode (KERNEL_DTYPES, default fp8 int8; 46 and 24 x 32K) and sparse decode

@@ -9,8 +9,10 @@ contiguous copy would exceed ``_MAX_BYTES`` are skipped). ``fp8`` / ``int8``: th
 with per-row scales (SDPA still reads the bf16 original). Times are medians from
 ``triton.testing.do_bench`` over a CUDA-graph replay of one call (the engine captures decode in
 graphs; eager timing of small cases would measure Python launch cost); GB/s counts the K+V bytes
-attended (8-bit: values and scales). Each point also sweeps forced split counts (best s) to check
-the split heuristic. Prints a table (with the measured wave size), then one JSON line.
+attended (8-bit: values and scales). Points at 16K also sweep forced split counts (best s) to check
+the split heuristic (``--sweep-splits``: every point, each count printed). ``--open-block``
+(8-bit): each row's last block is read from a bf16 open block, as the engine does by default.
+Prints a table (with the measured wave size), then one JSON line.
 
 ``python -m oasiskv.bench.kernels --scores``: ``block_scores`` (the summary scan of tiered decode)
 at 128 rows x 32K (2,048 blocks each, 8 kv heads, bf16 summaries, or FP8 with ``--summary-dtype
@@ -21,7 +23,8 @@ the summary bytes read (FP8: values and scales).
 rows x 2,048 blocks x 8 kv heads, K = 128, cap 7, one layer, for 1, 2, 4 and 8 warps per program.
 
 ``python -m oasiskv.bench.kernels --store``: ``store_kv`` (one layer's new K/V rows into the paged
-cache) at 46, 128 and 8,192 tokens, bf16 / e4m3 (searched scale) / int8 storage.
+cache) at 46, 128 and 8,192 tokens, bf16 / e4m3 (searched scale) / int8 storage; the 8-bit ones
+also with each row copied to its open block, in the same launch and in a second one.
 
 ``python -m oasiskv.bench.kernels --sparse [--kv-cache-dtype ...]``: ``sparse_decode_attention``
 at the 128 x 32K tiered point (128 rows, each with a draft row; K = 128, every slot held; 8-bit:
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 BATCHES = (1, 8, 24, 32, 48, 64)
-SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+SWEEP_SPLITS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 24, 32, 64)
 SWEEP_CONTEXT = 16384  # the split sweep runs at this context only
 CONTEXTS = (4096, 16384, 32768)
 _MAX_BYTES = 40e9
@@ -76,10 +79,13 @@ def _launch_ms(fn, launch: tuple[int, int, int]) -> float | None:
 
 
 def _bench_one(batch: int, context: int, kv: torch.dtype | None,
-               sweep_launch: bool = False, block_size: int = BLOCK_SIZE) -> dict:
+               sweep_launch: bool = False, block_size: int = BLOCK_SIZE,
+               sweep_splits: bool = False, open_block: bool = False) -> dict:
     """Time one (batch, context) point, the cache in ``kv`` (8-bit) or bf16 (None), in blocks of
-    ``block_size`` tokens; returns ms and GB/s for the kernel and SDPA."""
-    from oasiskv.kernels.fp8 import quantize_rows, row_bytes, stored_v
+    ``block_size`` tokens; returns ms and GB/s for the kernel and SDPA. The forced split counts
+    are swept at SWEEP_CONTEXT, or with ``sweep_splits`` at every context. ``open_block`` (8-bit):
+    each row's last block is read from an open block in bf16, as the engine's default does."""
+    from oasiskv.kernels.fp8 import OpenBlocks, quantize_rows, row_bytes, stored_v
     from oasiskv.kernels.paged_decode import default_num_splits, paged_decode_attention
 
     dev = torch.device("cuda")
@@ -93,21 +99,26 @@ def _bench_one(batch: int, context: int, kv: torch.dtype | None,
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(HEAD_DIM)
-    stored, scales = (k_cache, v_cache), None
+    stored, scales, opened = (k_cache, v_cache), None, None
     if kv is not None:
         (kq, ks), (vq, vs) = quantize_rows(k_cache, kv), quantize_rows(v_cache, kv)
         stored, scales = (kq, stored_v(vq)), (ks, vs)
+        if open_block:
+            opened = OpenBlocks(*(torch.randn((batch,) + shape[1:], dtype=DTYPE, device=dev)
+                                  for _ in range(2)),
+                                torch.arange(batch, dtype=torch.int32, device=dev))
 
     def attend(**kw):
         return paged_decode_attention(q, *stored, tables, lens, scale, out=out,  # noqa: F821
-                                      scales=scales, **kw)  # noqa: F821
+                                      scales=scales, open_block=opened, **kw)  # noqa: F821
 
     ms = _graph_median_ms(attend)
     from oasiskv.kernels.paged_decode import _waves
     wave = next(iter(_waves.values()), None)
     sweep = {s: _graph_median_ms(lambda s=s: attend(num_splits=s))
              for s in SWEEP_SPLITS
-             if s <= blocks_per_row * block_size // 256 and context == SWEEP_CONTEXT}
+             if s <= blocks_per_row * block_size // 256
+             and (sweep_splits or context == SWEEP_CONTEXT)}
     best = min(sweep, key=sweep.get) if sweep else 1
     launches = {}
     if sweep_launch:
@@ -124,7 +135,7 @@ def _bench_one(batch: int, context: int, kv: torch.dtype | None,
                                                             HEAD_DIM)
 
     k, v = contiguous(k_cache), contiguous(v_cache)
-    del k_cache, v_cache, stored, scales  # the closure's cells too: SDPA's copies need room
+    del k_cache, v_cache, stored, scales, opened  # the closure's cells too: SDPA's copies need room
     q4 = q.unsqueeze(2)
     sdpa_ms = _graph_median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale,
                                                                       enable_gqa=True))
@@ -138,6 +149,7 @@ def _bench_one(batch: int, context: int, kv: torch.dtype | None,
             "wave": wave, "best_splits": best if sweep else None,
             "best_gbps": kv_bytes / sweep.get(best, ms) / 1e6,
             "ms": ms, "gbps": kv_bytes / ms / 1e6, "sdpa_ms": sdpa_ms,
+            "split_ms": {str(s): t for s, t in sweep.items()},
             "launches": {str(k): kv_bytes / v / 1e6 for k, v in launches.items()},
             "sdpa_gbps": sdpa_bytes / sdpa_ms / 1e6}
 
@@ -193,25 +205,36 @@ STORE_TOKENS = (46, 128, 8192)  # dense FP8's 32K decode batch, the tiered one, 
 def bench_store() -> dict:
     """``store_kv`` (one layer's K and V rows of STORE_TOKENS tokens, bf16 in, 8 kv heads x
     HEAD_DIM) into a paged cache of 32-token blocks, slots in random order, for each storage
-    dtype (bf16, e4m3 with the searched scale, int8)."""
+    dtype (bf16, e4m3 with the searched scale, int8); the 8-bit ones also with each row copied
+    to an open block (``+open``: in the same launch; ``+open x2``: a second launch)."""
     from oasiskv.kernels.fp8 import FP8, INT8, empty_kv
     from oasiskv.kernels.store_kv import store_kv
     dev, block = torch.device("cuda"), 32
     print(f"store_kv: {NUM_KV_HEADS} kv heads x {HEAD_DIM}, bf16 in, {block}-token blocks, on "
           f"{torch.cuda.get_device_name()}")
-    print(f"{'tokens':>6} {'dtype':>14} {'us':>9}")
+    print(f"{'tokens':>6} {'dtype':>22} {'us':>9}")
     rows = []
     for tokens in STORE_TOKENS:
         k, v = (torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
                 for _ in range(2))
         blocks = -(-tokens // block)
         slots = torch.randperm(blocks * block, device=dev)[:tokens]
+        open_k, open_v = (torch.empty((tokens, NUM_KV_HEADS, block, HEAD_DIM), dtype=DTYPE,
+                                      device=dev) for _ in range(2))
+        open_rows = torch.arange(tokens, device=dev) * block
         for kv in (DTYPE, FP8, INT8):
             k_cache, v_cache, scales = empty_kv((blocks, NUM_KV_HEADS, block, HEAD_DIM), kv, dev)
-            us = 1e3 * _graph_median_ms(lambda: store_kv(k, v, k_cache, v_cache, slots, scales))
-            name = str(kv).removeprefix("torch.")
-            rows.append({"tokens": tokens, "dtype": name, "us": us})
-            print(f"{tokens:>6} {name:>14} {us:>9.1f}", flush=True)
+            runs = {"": lambda: store_kv(k, v, k_cache, v_cache, slots, scales)}
+            if kv != DTYPE:  # with each row's copy into its open block: in the launch, or a second
+                runs["+open"] = lambda: store_kv(k, v, k_cache, v_cache, slots, scales,
+                                                 open_block=(open_k, open_v, open_rows))
+                runs["+open x2"] = lambda: (store_kv(k, v, k_cache, v_cache, slots, scales),
+                                            store_kv(k, v, open_k, open_v, open_rows))
+            for label, fn in runs.items():
+                us = 1e3 * _graph_median_ms(fn)
+                name = str(kv).removeprefix("torch.") + label
+                rows.append({"tokens": tokens, "dtype": name, "us": us})
+                print(f"{tokens:>6} {name:>22} {us:>9.1f}", flush=True)
     return {"bench": "store_kv", "results": rows}
 
 
@@ -312,6 +335,10 @@ def main() -> None:
                         help="the KV store benchmark (store_kv, each storage dtype) instead")
     parser.add_argument("--sparse", action="store_true",
                         help="the sparse decode benchmark (its launch configs) instead")
+    parser.add_argument("--sweep-splits", action="store_true",
+                        help="sweep forced split counts at every point (else at 16K only)")
+    parser.add_argument("--open-block", action="store_true",
+                        help="8-bit caches: each row's last block from an open block in bf16")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                         help="tokens per KV block of the paged benchmark")
     parser.add_argument("--sweep-launch", action="store_true",
@@ -346,16 +373,19 @@ def main() -> None:
                            * torch.finfo(DTYPE).bits // 8)
             if 2 * cache_bytes > _MAX_BYTES:
                 continue
-            r = _bench_one(batch, context, kv, args.sweep_launch and not rows, args.block_size)
+            r = _bench_one(batch, context, kv, args.sweep_launch and not rows, args.block_size,
+                           args.sweep_splits, args.open_block)
             rows.append(r)
             print(f"{batch:>5} {context:>7} {r['splits']:>6} {r['ms']:>8.4f} {r['gbps']:>7.0f} "
                   f"{str(r['best_splits'] or '-'):>6} {r['best_gbps']:>9.0f} {r['sdpa_ms']:>8.4f} "
                   f"{r['sdpa_gbps']:>9.0f}", flush=True)
+            if args.sweep_splits:
+                print("   splits: " + ", ".join(f"{s}: {t:.4f}" for s, t in r["split_ms"].items()))
             torch.cuda.empty_cache()
     print(f"measured wave: {rows[0]['wave'] if rows else None} programs resident at once")
     print(json.dumps({"bench": "paged_decode_attention", "num_q_heads": NUM_Q_HEADS,
                       "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                      "kv_cache_dtype": args.kv_cache_dtype,
+                      "kv_cache_dtype": args.kv_cache_dtype, "open_block": args.open_block,
                       "block_size": args.block_size, "device": torch.cuda.get_device_name(),
                       "results": rows}))
 
