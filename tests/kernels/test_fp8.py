@@ -564,8 +564,8 @@ def cpu(*xs):
 @KV_DTYPES
 def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_device, kv):
     """Qwen3-8B-like heads (Hk 8, G 4, D 128, B 16), bf16 queries: the compiled store (with open
-    blocks), paged and sparse decode, UVA gather from pinned memory and summaries on FP8 rows vs the references (run
-    on CPU copies)."""
+    blocks), paged and sparse decode, UVA gather from pinned memory and summaries on FP8 rows vs
+    the references (run on CPU copies)."""
     torch.manual_seed(0)
     dev, heads, group, dim, block = cuda_device, 8, 4, 128, 16
     # store_kv: quantise 200 tokens into a pool of 32 blocks
