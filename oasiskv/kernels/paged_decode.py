@@ -6,7 +6,8 @@ query heads of one kv head and a run of ``blocks_per_split`` consecutive KV bloc
 so each K/V tile is loaded once for all G heads (heads padded to 16 rows for ``tl.dot``). It runs an
 online softmax in fp32 over its blocks and, with one split, writes the normalized output directly;
 with several it writes a partial (running max, sum of exps, unnormalized accumulator) to a
-workspace, and kernel 2 (``_decode_reduce_kernel``), grid ``(B, num_q_heads)``, merges the partials.
+workspace, and the program that finishes last among a (row, kv head)'s splits, as an atomic counter
+tells it, merges them into the output (``_store_split``): one launch, no reduce kernel.
 The grid and workspace depend only on tensor shapes, never on values, so the call is CUDA-graph
 capturable. By default each row divides *its own* context into ``num_splits`` runs (a row much
 shorter than the block table's width still uses every split); a fixed ``blocks_per_split`` can be
@@ -292,29 +293,64 @@ def _attend_open(q, k_block, v_block, num_valid, acc, acc_norm, m_i, l_i, qk_sca
 
 
 @triton.jit
-def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, o_rows, split, num_splits,
-                 num_q_heads, q_heads, g_mask, offs_d, stride_ob, stride_oh,
+def _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, count_ptr, o_rows, split,
+                 num_splits, num_q_heads, q_heads, g_mask, offs_d, stride_ob, stride_oh,
                  HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
     """For program row g (query head ``q_heads[g]`` of output row ``o_rows[g]``), DIRECT (one
     split): normalise and write ``out``; else write the split's partial (m, l, acc) to the workspace
-    ``[rows, num_q_heads, num_splits]`` for ``_decode_reduce_kernel``."""
+    ``[rows, num_q_heads, num_splits]`` and count it at ``count_ptr[pid(0) * num_programs(1) +
+    pid(1)]``: the program that finishes its group's splits last (its count reaches
+    ``num_splits``) merges them into ``out`` (``_merge_splits``) and sets the counter back to 0."""
     o_rows = o_rows.to(tl.int64)
+    out_offs = o_rows[:, None] * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :]
     if DIRECT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + o_rows[:, None] * stride_ob + q_heads[:, None] * stride_oh
-                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        ws = (o_rows * num_q_heads + q_heads) * num_splits + split
-        tl.store(m_ws_ptr + ws, m_i, mask=g_mask)
-        tl.store(l_ws_ptr + ws, l_i, mask=g_mask)
-        tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+        ws = (o_rows * num_q_heads + q_heads) * num_splits
+        tl.store(m_ws_ptr + ws + split, m_i, mask=g_mask)
+        tl.store(l_ws_ptr + ws + split, l_i, mask=g_mask)
+        tl.store(acc_ws_ptr + (ws + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_mask[:, None])
+        tl.debug_barrier()  # every thread's partial, then the count (released at GPU scope)
+        counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)  # (zero for the next launch, which starts after this one ends)
+            _merge_splits(m_ws_ptr, l_ws_ptr, acc_ws_ptr, out_ptr, ws, num_splits, out_offs,
+                          g_mask, offs_d, HEAD_DIM)
+
+
+@triton.jit
+def _merge_splits(m_ws_ptr, l_ws_ptr, acc_ws_ptr, out_ptr, ws, num_splits, out_offs, g_mask,
+                  offs_d, HEAD_DIM: tl.constexpr):
+    """Write ``out + out_offs`` for the rows ``g_mask``: the merge of their ``num_splits``
+    partials at workspace entries ``ws[g] + s`` (each split's accumulator weighted by ``exp2(m_s -
+    max m)``, divided by the same weighting of the sums; a row whose splits are all empty gets
+    zeros). The partials of other programs are read from L2 (``.cg``), never from a stale L1."""
+    m_max = tl.full(ws.shape, float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m_max = tl.maximum(m_max, tl.load(m_ws_ptr + ws + s, mask=g_mask, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: padding row
+    denom = tl.zeros(ws.shape, tl.float32)
+    acc = tl.zeros([ws.shape[0], HEAD_DIM], tl.float32)
+    for s in range(num_splits):
+        m = tl.load(m_ws_ptr + ws + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ws_ptr + ws + s, mask=g_mask, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m - m_max)
+        denom += w * l
+        part = tl.load(acc_ws_ptr + (ws + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=(g_mask & (l > 0))[:, None], other=0.0, cache_modifier=".cg")
+        acc += part * w[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
     open_k_ptr, open_v_ptr, open_slots_ptr,
-    out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
+    out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, count_ptr,
     qk_scale, blocks_per_split, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_ch, stride_cs, stride_bt, stride_sb, stride_sh,
@@ -327,9 +363,10 @@ def _decode_split_kernel(
     """Attention of the G query heads of kv head ``pid(1)`` of row ``pid(0)`` over split ``pid(2)``.
 
     ``qk_scale`` is ``scale * log2(e)``: scores live in the log2 domain (``exp2``), partial maxima
-    too. Workspace (only read when not DIRECT): m/l ``[B, num_q_heads, num_splits]``, acc
-    ``[..., HEAD_DIM]``. OPEN (8-bit caches, with INDEX_AHEAD): the row's last block is read from
-    the open-block cache at block ``open_slots[row]`` (``_attend_open``), not from the 8-bit one.
+    too. Workspace (only used when not DIRECT, ``split_workspace``): m/l ``[B, num_q_heads,
+    num_splits]``, acc ``[..., HEAD_DIM]``, a counter per (row, kv head). OPEN (8-bit caches,
+    with INDEX_AHEAD): the row's last block is read from the open-block cache at block
+    ``open_slots[row]`` (``_attend_open``), not from the 8-bit one.
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -415,36 +452,9 @@ def _decode_split_kernel(
                                      offs_t, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION, FP16_DOT)
 
     _store_split(_true_acc(acc, acc_norm, FP16_DOT), m_i, _row_denominator(l_i, FP16_DOT), out_ptr,
-                 m_ws_ptr, l_ws_ptr, acc_ws_ptr, rows, split, num_splits, tl.num_programs(1) * G,
-                 q_heads, g_mask, offs_d, stride_ob, stride_oh, HEAD_DIM, DIRECT)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    m_ws_ptr, l_ws_ptr, acc_ws_ptr, out_ptr,
-    num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """Merge the ``num_splits`` partials of query head ``pid(1)`` of row ``pid(0)`` into ``out``."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ws = (row * tl.num_programs(1) + head) * num_splits + offs_s
-    s_mask = offs_s < num_splits
-
-    m = tl.load(m_ws_ptr + ws, mask=s_mask, other=float("-inf"))
-    l = tl.load(l_ws_ptr + ws, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: padding row
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, 0)
-    used = s_mask & (l > 0)
-    acc = tl.load(acc_ws_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None],
-                  other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty))
+                 m_ws_ptr, l_ws_ptr, acc_ws_ptr, count_ptr, rows, split, num_splits,
+                 tl.num_programs(1) * G, q_heads, g_mask, offs_d, stride_ob, stride_oh, HEAD_DIM,
+                 DIRECT)
 
 
 def fp16_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -508,30 +518,37 @@ def _wave_size(compiled, device: torch.device, num_warps: int) -> int | None:
     return max(1, per_sm) * props.multi_processor_count
 
 
-def split_workspace(out: torch.Tensor,
-                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m, l, acc) partial buffers for ``out`` ``[rows, Hq, D]`` split ``num_splits`` ways: float32
-    ``[rows, Hq, num_splits]`` twice and ``[rows, Hq, num_splits, D]``. With one split the kernel
-    writes ``out`` directly and never reads them: ``out`` stands in for all three."""
+#: (device, stream) -> the split counters of launches on it, every size made (``split_workspace``)
+_counters: dict[tuple, list[torch.Tensor]] = {}
+_MIN_COUNTERS = 1 << 12
+
+
+def _split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """int32 counters ``[>= count]`` for split launches on ``device``'s current stream: zero
+    between launches (the program that merges a group sets its counter back), so launches that
+    share them must not overlap, which one stream guarantees. Never freed: captured CUDA graphs
+    hold their addresses."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    made = _counters.setdefault((device, stream), [])
+    if not made or made[-1].numel() < count:
+        size = max(_MIN_COUNTERS, triton.next_power_of_2(count))
+        made.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return made[-1]
+
+
+def split_workspace(out: torch.Tensor, num_splits: int, groups: int) -> tuple[torch.Tensor, ...]:
+    """(m, l, acc, counters) for ``out`` ``[rows, Hq, D]`` split ``num_splits`` ways over
+    ``groups`` programs per split: float32 partials ``[rows, Hq, num_splits]`` twice and ``[rows,
+    Hq, num_splits, D]``, and ``_split_counters(out.device, groups)``. With one split the kernel
+    writes ``out`` directly and never reads them: ``out`` stands in for all four."""
     if num_splits == 1:
-        return out, out, out
+        return out, out, out, out
     rows, heads, head_dim = out.shape
     m_ws = torch.empty((rows, heads, num_splits), dtype=torch.float32, device=out.device)
-    return m_ws, torch.empty_like(m_ws), torch.empty((rows, heads, num_splits, head_dim),
-                                                     dtype=torch.float32, device=out.device)
-
-
-def merge_splits(workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor,
-                 num_splits: int) -> None:
-    """Merge the partials of ``split_workspace(out, num_splits)`` into ``out`` (nothing for one
-    split)."""
-    if num_splits == 1:
-        return
-    rows, heads, head_dim = out.shape
-    _decode_reduce_kernel[(rows, heads)](
-        *workspace, out, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-    )
+    return (m_ws, torch.empty_like(m_ws),
+            torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
+                        device=out.device),
+            _split_counters(out.device, groups))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -596,7 +613,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = max(1, triton.cdiv(max_blocks, blocks_per_split))
     group = num_q_heads // num_kv_heads
     direct = num_splits == 1
-    workspace = split_workspace(out, num_splits)
+    workspace = split_workspace(out, num_splits, batch * num_kv_heads)
     fp32 = torch.float32 in (q.dtype, k_cache.dtype)
     k_scale, v_scale = check_scales(scales, k_cache, q.device)
     if open_block is not None:
@@ -622,5 +639,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE
-    merge_splits(workspace, out, num_splits)
     return out

@@ -20,9 +20,9 @@ of one kv head of one row and of its draft row (padded to 16 rows for ``tl.dot``
 ``slots_per_split`` slots; it runs an online softmax in fp32 over the valid tokens of its slots,
 ``SLOTS_PER_ITER`` slots per iteration; the split holding the local slot adds the draft's own token.
 With one split it writes the normalized output; with several it writes a partial (max, sum of exps,
-unnormalized accumulator; neutral -inf/0/0 when the split holds no valid token) and the reduce
-kernel of ``paged_decode`` (same workspace layout) merges them. Grid and workspace depend only on
-shapes: the call is CUDA-graph capturable and never syncs the host.
+unnormalized accumulator; neutral -inf/0/0 when the split holds no valid token) and the last of
+a (row, kv head)'s splits to finish merges them, as in ``paged_decode`` (same workspace). Grid and
+workspace depend only on shapes: the call is CUDA-graph capturable and never syncs the host.
 
 Does not know: which blocks a slot holds or when they arrived (``kv/`` owns residency; a slot must
 be readable, i.e. its copy complete, before this kernel runs on the stream).
@@ -36,7 +36,7 @@ from oasiskv.kernels.paged_decode import (_accumulate, _attend_open, _load_q, _l
                                           _row_denominator, _softmax_tile, _fp16_query,
                                           _store_split, _true_acc, _v_offsets, _wave_size,
                                           _zero_denominator,
-                                          default_num_splits, fp16_dot, launch_config, merge_splits,
+                                          default_num_splits, fp16_dot, launch_config,
                                           split_workspace)
 
 _LOG2E = 1.4426950408889634
@@ -59,7 +59,7 @@ def _slot_valid(map_row, slot, slot_end, local_slot, local_len, tile_off):
 def _sparse_split_kernel(
     q_ptr, ws_k_ptr, ws_v_ptr, k_scale_ptr, v_scale_ptr, ws_map_ptr, seq_slots_ptr, local_lens_ptr,
     draft_rows_ptr, extra_k_ptr, extra_v_ptr, open_k_ptr, open_v_ptr, open_slots_ptr,
-    out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr,
+    out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, count_ptr,
     qk_scale, slots_per_split, num_splits, num_slots, num_q_heads,
     stride_qn, stride_qh, stride_on, stride_oh,
     stride_ks, stride_kh, stride_kw, stride_kt,
@@ -172,8 +172,9 @@ def _sparse_split_kernel(
             acc = acc * alpha[:, None] + p_x[:, None] * xv[None, :]
             m_i = m_new
 
-    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, q_rows, split, num_splits,
-                 num_q_heads, q_heads, g_mask, offs_d, stride_on, stride_oh, HEAD_DIM, DIRECT)
+    _store_split(acc, m_i, l_i, out_ptr, m_ws_ptr, l_ws_ptr, acc_ws_ptr, count_ptr, q_rows, split,
+                 num_splits, num_q_heads, q_heads, g_mask, offs_d, stride_on, stride_oh, HEAD_DIM,
+                 DIRECT)
 
 
 _waves: dict[tuple, int] = {}
@@ -267,7 +268,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
                        * slots_per_iter)
     direct = num_splits == 1
     # [Nq, Hq, ...]: draft rows have their own partials
-    workspace = split_workspace(out, num_splits)
+    workspace = split_workspace(out, num_splits, n * num_kv_heads)
     fp32 = torch.float32 in (q.dtype, ws_k.dtype)
     k_scale, v_scale = check_scales(scales, ws_k, q.device)
     assert k_scale.stride() == v_scale.stride()
@@ -299,5 +300,4 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE
-    merge_splits(workspace, out, num_splits)
     return out

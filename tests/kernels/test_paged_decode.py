@@ -126,6 +126,19 @@ def test_paged_decode_default_splits_with_table_wider_than_contexts():
     _run_and_check(case, None, rtol=1e-5, atol=1e-5)
 
 
+def test_split_merge_counters_are_zero_after_each_launch():
+    """The last split of each (row, kv head) to finish merges the partials and resets its counter:
+    after a split launch every counter is 0 again, so the next launch (another batch, reusing the
+    same counters) is right too."""
+    from oasiskv.kernels.paged_decode import split_workspace
+    for seed, lens in ((6, [90, 3, 41]), (7, [12, 77])):
+        case = _case(lens, num_kv_heads=2, group=2, head_dim=32, block_size=16,
+                     dtype=torch.float32, seed=seed)
+        _run_and_check(case, 2, rtol=1e-5, atol=1e-5)
+        counters = split_workspace(case[0], 2, len(lens) * 2)[3]
+        assert counters.dtype == torch.int32 and not counters.any()
+
+
 def test_paged_decode_all_padding():
     q, k_cache, v_cache, tables, lens = _case([0, 0], num_kv_heads=1, group=4, head_dim=64,
                                               block_size=16, dtype=torch.float32, extra_cols=3)
