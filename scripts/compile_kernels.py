@@ -81,19 +81,19 @@ def configs():
                    open_v_ptr="bf16", out_ptr="bf16")
     heads = dict(G=4, BLOCK_G=16, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRETED=False)
     for direct in (False, True):
-        tokens, warps, stages = paged_decode.launch_config(quantized=True)
+        tokens, warps, stages, _ = paged_decode.launch_config(quantized=True)
         yield (f"paged decode, e4m3, 32-token blocks, open blocks, direct={direct}",
                paged_decode._decode_split_kernel, dict(paged16, **fp8),
                dict(heads, BLOCK_SIZE=32, BLOCKS_PER_ITER=tokens // 32, MIN_BLOCKS=8,
                     DIRECT=direct, QUANT=True, FP16_DOT=True, INDEX_AHEAD=True, OPEN=True),
                (warps, stages))
-        tokens, warps, stages = paged_decode.launch_config()
+        tokens, warps, stages, _ = paged_decode.launch_config()
         yield (f"paged decode, bf16, 16-token blocks, direct={direct}",
                paged_decode._decode_split_kernel, paged16,
                dict(heads, BLOCK_SIZE=16, BLOCKS_PER_ITER=tokens // 16, MIN_BLOCKS=16,
                     DIRECT=direct, QUANT=False, FP16_DOT=False, INDEX_AHEAD=False, OPEN=False),
                (warps, stages))
-        tokens, warps, stages = paged_decode.launch_config(quantized=True, sparse=True)
+        tokens, warps, stages, _ = paged_decode.launch_config(quantized=True, sparse=True)
         yield (f"sparse decode, e4m3, drafts, open blocks, direct={direct}",
                sparse_decode._sparse_split_kernel,
                dict(q_ptr="bf16", ws_k_ptr="fp8e4nv", ws_v_ptr="fp8e4nv", ws_map_ptr="i32",

@@ -61,13 +61,18 @@ def _graph_median_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, return_mode="median")
 
 
-# (tokens per iteration, warps, stages) tried at the first point with --sweep-launch (and by
-# --sparse): 1-2 warps per program too, whose online softmax needs no reduction across warps
-LAUNCHES = [(t, w, s) for t in (32, 64, 128) for w in (1, 2, 4, 8) for s in (2, 3, 4)
-            if 8 <= t // w <= 64]
+# (tokens per iteration, warps, stages, register cap) tried at the first point with --sweep-launch
+# (and by --sparse): 1-2 warps per program too, whose online softmax needs no reduction across
+# warps; and register caps that fit one more program per SM (offline: 64 / 2 / 3 compiles to 248
+# registers, 4 programs per SM, and to 200 with the cap, 5 per SM, spilling 24 bytes;
+# ``scripts/compile_kernels.py``)
+LAUNCHES = ([(t, w, s, 0) for t in (32, 64, 128) for w in (1, 2, 4, 8) for s in (2, 3, 4)
+             if 8 <= t // w <= 64]
+            + [(64, 2, 3, 200), (64, 2, 4, 200), (32, 2, 4, 200), (64, 4, 3, 128),
+               (128, 4, 3, 200)])
 
 
-def _launch_ms(fn, launch: tuple[int, int, int]) -> float | None:
+def _launch_ms(fn, launch: tuple[int, int, int, int]) -> float | None:
     """``_graph_median_ms(fn)``, or None (printed) when ``launch`` does not compile or run (e.g.
     its shared memory exceeds the device's)."""
     try:
@@ -272,7 +277,7 @@ def bench_sparse(kv: torch.dtype | None) -> dict:
     name = str(kv or DTYPE).removeprefix("torch.")
     print(f"sparse_decode_attention: {n} rows + {n} draft rows, K = {SELECT_K}, {name} working "
           f"sets ({read / 1e9:.2f} GB per layer), on {torch.cuda.get_device_name()}")
-    print(f"{'tokens':>6} {'warps':>5} {'stages':>6} {'ms':>8} {'GB/s':>7}")
+    print(f"{'tokens':>6} {'warps':>5} {'stages':>6} {'regs':>4} {'ms':>8} {'GB/s':>7}")
     rows, default = [], launch_config(None, kv is not None, sparse=True)
     for launch in LAUNCHES:
         ms = _launch_ms(lambda: sparse_decode_attention(
@@ -282,8 +287,8 @@ def bench_sparse(kv: torch.dtype | None) -> dict:
             continue
         rows.append({"launch": launch, "ms": ms, "gbps": read / ms / 1e6})
         mark = " (default)" if launch == default else ""
-        print(f"{launch[0]:>6} {launch[1]:>5} {launch[2]:>6} {ms:>8.4f} {read / ms / 1e6:>7.0f}"
-              f"{mark}", flush=True)
+        print(f"{launch[0]:>6} {launch[1]:>5} {launch[2]:>6} {launch[3] or '-':>4} {ms:>8.4f} "
+              f"{read / ms / 1e6:>7.0f}{mark}", flush=True)
     return {"bench": "sparse_decode_attention", "rows": n, "k": SELECT_K, "kv_cache_dtype": name,
             "results": rows}
 

@@ -37,9 +37,11 @@ _NORM_FLOOR = tl.constexpr(2.0 ** -40)
 # over the FP8 working sets of the 128 x 32K tiered point (K = 128, drafts, open blocks): 32-token
 # tiles, one warp per program, 3 stages, 37% faster than 128 / 4 / 3 (0.158 against 0.252 ms per
 # layer, §29; 128 / 4 / 3 was 22% faster than 64 / 4 / 2, §26).
-_LAUNCH = (64, 4, 2)
-_LAUNCH_8BIT = (64, 2, 3)
-_LAUNCH_8BIT_SPARSE = (32, 1, 3)
+# A fourth entry caps the registers per thread (ptxas ``maxnreg``; 0: the compiler's choice), which
+# sets how many programs an SM holds.
+_LAUNCH = (64, 4, 2, 0)
+_LAUNCH_8BIT = (64, 2, 3, 0)
+_LAUNCH_8BIT_SPARSE = (32, 1, 3, 0)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -464,9 +466,10 @@ def fp16_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
     return quantized(cache.dtype) and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def launch_config(launch: tuple[int, int, int] | None = None, quantized: bool = False,
-                  sparse: bool = False) -> tuple[int, int, int]:
-    """(tokens per iteration, warps, stages) for paged and (``sparse``) sparse decode: ``launch``
+def launch_config(launch: tuple[int, int, int, int] | None = None, quantized: bool = False,
+                  sparse: bool = False) -> tuple[int, int, int, int]:
+    """(tokens per iteration, warps, stages, register cap or 0) for paged and (``sparse``) sparse
+    decode: ``launch``
     when given (a kernel benchmark's sweep), else the tuned one (``quantized``: over an 8-bit
     cache or working set)."""
     if launch:
@@ -557,7 +560,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            blocks_per_split: int | None = None,
                            num_splits: int | None = None,
                            scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           launch: tuple[int, int, int] | None = None,
+                           launch: tuple[int, int, int, int] | None = None,
                            open_block: OpenBlocks | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its paged KV cache; returns ``out``.
 
@@ -600,9 +603,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     max_blocks = block_tables.shape[1]
     quant = scales is not None
-    tokens, warps, stages = launch_config(launch, quant)
+    tokens, warps, stages, max_regs = launch_config(launch, quant)
     key = (q.device, q.dtype, k_cache.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
-           tokens, warps, stages, open_block is not None)
+           tokens, warps, stages, max_regs, open_block is not None)
     if blocks_per_split is None:
         num_splits = num_splits or default_num_splits(batch, num_kv_heads, max_blocks, block_size,
                                                       _waves.get(key, _DEFAULT_WAVE))
@@ -635,7 +638,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         MIN_BLOCKS=max(1, _MIN_TOKENS_PER_SPLIT // block_size), DIRECT=direct,
         DOT_PRECISION="ieee" if fp32 else "tf32", QUANT=quant,
         FP16_DOT=fp16_dot(q, k_cache), INTERPRETED=not q.is_cuda, INDEX_AHEAD=quant,
-        OPEN=open_block is not None, num_warps=warps, num_stages=stages,
+        OPEN=open_block is not None, num_warps=warps, num_stages=stages, maxnreg=max_regs or None,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE

@@ -40,8 +40,8 @@ from oasiskv.kernels.paged_decode import (_accumulate, _attend_open, _load_q, _l
                                           split_workspace)
 
 _LOG2E = 1.4426950408889634
-# The launch config (tokens per iteration, warps, stages) is paged_decode's ``launch_config``
-# (sparse=True).
+# The launch config (tokens per iteration, warps, stages, register cap) is paged_decode's
+# ``launch_config`` (sparse=True).
 _DEFAULT_WAVE = 512
 
 
@@ -188,7 +188,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
                             extra_v: torch.Tensor | None = None,
                             scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                             open_block: OpenBlocks | None = None,
-                            launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+                            launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Decode attention of one query token per row over its sequence's working set; returns
     ``out``.
 
@@ -256,10 +256,10 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     if n == 0:
         return out
 
-    tokens, warps, stages = launch_config(launch, scales is not None, sparse=True)
+    tokens, warps, stages, max_regs = launch_config(launch, scales is not None, sparse=True)
     slots_per_iter = max(1, tokens // block_size)
     key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft,
-           open_block is not None, tokens, warps, stages)
+           open_block is not None, tokens, warps, stages, max_regs)
     if num_splits is None:
         num_splits = default_num_splits(n, num_kv_heads, num_slots, block_size,
                                         _waves.get(key, _DEFAULT_WAVE))
@@ -296,7 +296,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
         BLOCK_SIZE=block_size, SLOTS_PER_ITER=slots_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if fp32 else "tf32", HAS_DRAFT=has_draft,
         QUANT=scales is not None, FP16_DOT=fp16_dot(q, ws_k), INTERPRETED=not q.is_cuda,
-        OPEN=open_block is not None, num_warps=warps, num_stages=stages,
+        OPEN=open_block is not None, num_warps=warps, num_stages=stages, maxnreg=max_regs or None,
     )
     if key not in _waves and q.is_cuda:
         _waves[key] = _wave_size(compiled, q.device, warps) or _DEFAULT_WAVE
