@@ -521,19 +521,23 @@ def _wave_size(compiled, device: torch.device, num_warps: int) -> int | None:
     return max(1, per_sm) * props.multi_processor_count
 
 
-#: (device, stream) -> the split counters of launches on it, every size made (``split_workspace``)
-_counters: dict[tuple, list[torch.Tensor]] = {}
+#: device -> the split counters of launches on it, every size made (``_split_counters``)
+_counters: dict[torch.device, list[torch.Tensor]] = {}
 _MIN_COUNTERS = 1 << 12
 
 
 def _split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """int32 counters ``[>= count]`` for split launches on ``device``'s current stream: zero
-    between launches (the program that merges a group sets its counter back), so launches that
-    share them must not overlap, which one stream guarantees. Never freed: captured CUDA graphs
-    hold their addresses."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    made = _counters.setdefault((device, stream), [])
+    """int32 counters ``[>= count]`` for split launches on ``device``: zero between launches (the
+    program that merges a group sets its counter back), so split launches on one device must not
+    run at the same time (the engine launches them on one stream). Made outside CUDA-graph
+    capture, by a warm-up launch (as every capture here has one): a tensor made during a capture
+    would be zeroed only by that graph's replays and could share memory with other graphs'
+    scratch. Never freed: captured graphs hold their addresses."""
+    made = _counters.setdefault(device, [])
     if not made or made[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split decode's counters must be made outside CUDA-graph capture: "
+                               "launch it once at this batch size before capturing it")
         size = max(_MIN_COUNTERS, triton.next_power_of_2(count))
         made.append(torch.zeros(size, dtype=torch.int32, device=device))
     return made[-1]

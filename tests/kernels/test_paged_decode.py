@@ -199,6 +199,41 @@ def test_paged_decode_gpu_dtypes(cuda_device, dtype, block_size, group, head_dim
 
 
 @pytest.mark.gpu
+def test_split_decode_graphs_sharing_a_pool_replay_in_any_order(cuda_device):
+    """Split launches captured at two batch sizes (each warmed up first, as the engine does) and a
+    one-split one, all in one memory pool, replayed in every order: every replay equals the
+    reference, so the shared split counters are zero whenever a graph starts. A split launch whose
+    counters would be made inside the capture is refused."""
+    from oasiskv.kernels import paged_decode
+    scale = 1.0 / math.sqrt(128)
+    cases = [_gpu_case(batch, 4096, cuda_device, seed=seed) for batch, seed in ((3, 11), (5, 12))]
+    with pytest.raises(RuntimeError, match="outside CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):  # (more counters than any launch made)
+            paged_decode._split_counters(cuda_device, 1 << 30)
+    torch.cuda.synchronize()
+    runs, pool = [], None
+    for case, splits in ((cases[1], 1), (cases[1], 6), (cases[0], 4)):
+        out = torch.full_like(case[0], NAN)
+        def step(case=case, splits=splits, out=out):
+            paged_decode_attention(*case, scale, out=out, num_splits=splits)
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            step()
+        pool = graph.pool() if pool is None else pool
+        runs.append((graph, out, paged_decode_ref(*case, scale)))
+    for order in ((2, 1, 0, 2), (1, 2, 1, 0)):
+        for i in order:
+            graph, out, ref = runs[i]
+            out.fill_(NAN)
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=2e-3)
+    assert not paged_decode._counters[cases[0][0].device][-1].any()
+
+
+@pytest.mark.gpu
 def test_paged_decode_cuda_graph_replay(cuda_device):
     """Capture once with short contexts, then change q/context_lens/block_tables contents (contexts
     up to the table's 16K capacity, so more splits in use; padding rows) and replay: the graph's
