@@ -546,16 +546,18 @@ def _split_counters(device: torch.device, count: int) -> torch.Tensor:
 def split_workspace(out: torch.Tensor, num_splits: int, groups: int) -> tuple[torch.Tensor, ...]:
     """(m, l, acc, counters) for ``out`` ``[rows, Hq, D]`` split ``num_splits`` ways over
     ``groups`` programs per split: float32 partials ``[rows, Hq, num_splits]`` twice and ``[rows,
-    Hq, num_splits, D]``, and ``_split_counters(out.device, groups)``. With one split the kernel
-    writes ``out`` directly and never reads them: ``out`` stands in for all four."""
+    Hq, num_splits, D]``, and ``_split_counters(out.device, groups)``, which every launch makes
+    sure of, split or not (a warm-up may split fewer ways than its capture: the wave size is
+    measured at the first compile). With one split the kernel writes ``out`` directly and never
+    reads them: ``out`` stands in for all four."""
+    counters = _split_counters(out.device, groups)
     if num_splits == 1:
         return out, out, out, out
     rows, heads, head_dim = out.shape
     m_ws = torch.empty((rows, heads, num_splits), dtype=torch.float32, device=out.device)
     return (m_ws, torch.empty_like(m_ws),
             torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
-                        device=out.device),
-            _split_counters(out.device, groups))
+                        device=out.device), counters)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
