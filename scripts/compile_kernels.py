@@ -73,25 +73,28 @@ def configs():
     """(name, kernel, pointer dtypes, constexprs, (tokens per iteration, warps, stages)) of the
     kernels a decode step launches, as the engine launches them (Qwen3-8B heads: G = 4, D = 128)."""
     from oasiskv.kernels import paged_decode, sparse_decode, store_kv
-    from oasiskv.kernels.fp8 import MIN_AMAX, SCALE_STEPS
+    from oasiskv.kernels.fp8 import FP8, MIN_AMAX, QUANT_MAX, SCALE_STEPS
     fp8 = {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv"}
     idx = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "open_slots_ptr": "i32",
            "count_ptr": "i32"}
     paged16 = dict(idx, q_ptr="bf16", k_cache_ptr="bf16", v_cache_ptr="bf16", open_k_ptr="bf16",
                    open_v_ptr="bf16", out_ptr="bf16")
     heads = dict(G=4, BLOCK_G=16, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRETED=False)
+    min_tokens = paged_decode._MIN_TOKENS_PER_SPLIT
     for direct in (False, True):
         tokens, warps, stages, _ = paged_decode.launch_config(quantized=True)
         yield (f"paged decode, e4m3, 32-token blocks, open blocks, direct={direct}",
                paged_decode._decode_split_kernel, dict(paged16, **fp8),
-               dict(heads, BLOCK_SIZE=32, BLOCKS_PER_ITER=tokens // 32, MIN_BLOCKS=8,
-                    DIRECT=direct, QUANT=True, FP16_DOT=True, INDEX_AHEAD=True, OPEN=True),
+               dict(heads, BLOCK_SIZE=32, BLOCKS_PER_ITER=tokens // 32,
+                    MIN_BLOCKS=min_tokens // 32, DIRECT=direct, QUANT=True, FP16_DOT=True,
+                    INDEX_AHEAD=True, OPEN=True),
                (warps, stages))
         tokens, warps, stages, _ = paged_decode.launch_config()
         yield (f"paged decode, bf16, 16-token blocks, direct={direct}",
                paged_decode._decode_split_kernel, paged16,
-               dict(heads, BLOCK_SIZE=16, BLOCKS_PER_ITER=tokens // 16, MIN_BLOCKS=16,
-                    DIRECT=direct, QUANT=False, FP16_DOT=False, INDEX_AHEAD=False, OPEN=False),
+               dict(heads, BLOCK_SIZE=16, BLOCKS_PER_ITER=tokens // 16,
+                    MIN_BLOCKS=min_tokens // 16, DIRECT=direct, QUANT=False, FP16_DOT=False,
+                    INDEX_AHEAD=False, OPEN=False),
                (warps, stages))
         tokens, warps, stages, _ = paged_decode.launch_config(quantized=True, sparse=True)
         yield (f"sparse decode, e4m3, drafts, open blocks, direct={direct}",
@@ -105,8 +108,8 @@ def configs():
     yield ("store, e4m3 with the scale search and open blocks", store_kv._store_kv_kernel,
            dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr="fp8e4nv", v_cache_ptr="fp8e4nv",
                 slot_ptr="i64", open_k_ptr="bf16", open_v_ptr="bf16", open_slot_ptr="i64"),
-           dict(BLOCK_SIZE=32, BLOCK_H=1, BLOCK_D=128, QMAX=448.0, MIN_AMAX=MIN_AMAX, QUANT=True,
-                INT=False, STEPS=SCALE_STEPS, OPEN=True), (4, 3))
+           dict(BLOCK_SIZE=32, BLOCK_H=1, BLOCK_D=128, QMAX=QUANT_MAX[FP8], MIN_AMAX=MIN_AMAX,
+                QUANT=True, INT=False, STEPS=SCALE_STEPS, OPEN=True), (4, 3))
 
 
 def main() -> int:

@@ -469,9 +469,8 @@ def fp16_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
 def launch_config(launch: tuple[int, int, int, int] | None = None, quantized: bool = False,
                   sparse: bool = False) -> tuple[int, int, int, int]:
     """(tokens per iteration, warps, stages, register cap or 0) for paged and (``sparse``) sparse
-    decode: ``launch``
-    when given (a kernel benchmark's sweep), else the tuned one (``quantized``: over an 8-bit
-    cache or working set)."""
+    decode: ``launch`` when given (a kernel benchmark's sweep), else the tuned one (``quantized``:
+    over an 8-bit cache or working set)."""
     if launch:
         return launch
     if quantized:

@@ -207,9 +207,10 @@ def test_split_decode_graphs_sharing_a_pool_replay_in_any_order(cuda_device):
     from oasiskv.kernels import paged_decode
     scale = 1.0 / math.sqrt(128)
     cases = [_gpu_case(batch, 4096, cuda_device, seed=seed) for batch, seed in ((3, 11), (5, 12))]
+    device = cases[0][0].device
     with pytest.raises(RuntimeError, match="outside CUDA-graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):  # (more counters than any launch made)
-            paged_decode._split_counters(cuda_device, 1 << 30)
+            paged_decode._split_counters(device, 1 << 30)
     torch.cuda.synchronize()
     runs, pool = [], None
     for case, splits in ((cases[1], 1), (cases[1], 6), (cases[0], 4)):
@@ -230,7 +231,7 @@ def test_split_decode_graphs_sharing_a_pool_replay_in_any_order(cuda_device):
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=2e-3)
-    assert not paged_decode._counters[cases[0][0].device][-1].any()
+    assert not paged_decode._counters[device][-1].any()
 
 
 @pytest.mark.gpu
