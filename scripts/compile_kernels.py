@@ -1,8 +1,9 @@
 """Compile the decode path's Triton kernels for a GPU without one: Triton's own compiler and the
 ptxas it bundles, target sm_90 (H100 / H200). Per kernel and config: registers, stack bytes (local
-memory: spills and local arrays) and shared memory; exits 1 when one fails to compile. CPU tests
-run the kernels in Triton's interpreter, which never lowers them: this is what catches a kernel
-that interprets but does not compile (``tests/kernels/test_compile.py`` runs it).
+memory: spills and local arrays), the local loads and stores inside loops (spills that cost every
+iteration) and shared memory; exits 1 when one fails to compile. CPU tests run the kernels in
+Triton's interpreter, which never lowers them: this is what catches a kernel that interprets but
+does not compile (``tests/kernels/test_compile.py`` runs it).
 
 python scripts/compile_kernels.py [--ptx-grep TEXT]
 
@@ -55,18 +56,41 @@ def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
-    """registers and stack bytes of ``ptx`` from the bundled ptxas (``-v``)."""
+    """registers and stack bytes of ``ptx`` from the bundled ptxas (``-v``), and ``loop_local``:
+    the local-memory loads and stores (``LDL`` / ``STL``, spills) inside a loop of the SASS (between
+    a backward branch and its target), which cost a memory access per iteration; a few spills
+    outside the loops cost nothing that matters."""
     import triton
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
+        src, obj = Path(tmp) / "k.ptx", Path(tmp) / "k.o"
         src.write_text(ptx)
-        run = subprocess.run([str(ptxas), f"-arch=sm_{TARGET[1]}a", "-v", str(src), "-o",
-                              str(Path(tmp) / "k.o")], capture_output=True, text=True, check=True)
+        run = subprocess.run([str(bin_dir / "ptxas"), f"-arch=sm_{TARGET[1]}a", "-v", str(src),
+                              "-o", str(obj)], capture_output=True, text=True, check=True)
+        sass = subprocess.run([str(bin_dir / "cuobjdump"), "-sass", str(obj)],
+                              capture_output=True, text=True, check=True).stdout
     regs = re.search(r"Used (\d+) registers", run.stderr)
     stack = re.search(r"(\d+) bytes (?:cumulative )?stack", run.stderr)
     return {"registers": int(regs.group(1)) if regs else -1,
-            "stack": int(stack.group(1)) if stack else 0}
+            "stack": int(stack.group(1)) if stack else 0,
+            "loop_local": _local_accesses_in_loops(sass)}
+
+
+def _local_accesses_in_loops(sass: str) -> int:
+    """``LDL`` / ``STL`` instructions of ``sass`` (cuobjdump's listing) at addresses some backward
+    branch jumps over."""
+    loops, local = [], []
+    for line in sass.splitlines():
+        found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not found:
+            continue
+        addr, instr = int(found.group(1), 16), found.group(2)
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", instr)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+        if re.search(r"\b(LDL|STL)\b", instr):
+            local.append(addr)
+    return sum(any(start <= addr <= end for start, end in loops) for addr in local)
 
 
 def configs():
@@ -96,7 +120,7 @@ def configs():
                     MIN_BLOCKS=min_tokens // 16, DIRECT=direct, QUANT=False, FP16_DOT=False,
                     INDEX_AHEAD=False, OPEN=False),
                (warps, stages))
-        tokens, warps, stages, _ = paged_decode.launch_config(quantized=True, sparse=True)
+        tokens, warps, stages, _ = paged_decode.launch_config(quantized=True)
         yield (f"sparse decode, e4m3, drafts, open blocks, direct={direct}",
                sparse_decode._sparse_split_kernel,
                dict(q_ptr="bf16", ws_k_ptr="fp8e4nv", ws_v_ptr="fp8e4nv", ws_map_ptr="i32",
@@ -128,8 +152,9 @@ def main() -> int:
             failed += 1
             print(f"FAILED  {name}: {type(exc).__name__}: {str(exc)[:2000]}")
             continue
-        print(f"ok  {name}: {usage['registers']} registers, {usage['stack']} stack bytes, "
-              f"{kernel.metadata.shared} shared bytes ({warps} warps, {stages} stages)")
+        print(f"ok  {name}: {usage['registers']} registers, {usage['stack']} stack bytes "
+              f"({usage['loop_local']} local accesses in loops), {kernel.metadata.shared} shared "
+              f"bytes ({warps} warps, {stages} stages)")
         if args.ptx_grep:
             for line in kernel.asm["ptx"].splitlines():
                 if args.ptx_grep in line:

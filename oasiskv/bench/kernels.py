@@ -278,7 +278,7 @@ def bench_sparse(kv: torch.dtype | None) -> dict:
     print(f"sparse_decode_attention: {n} rows + {n} draft rows, K = {SELECT_K}, {name} working "
           f"sets ({read / 1e9:.2f} GB per layer), on {torch.cuda.get_device_name()}")
     print(f"{'tokens':>6} {'warps':>5} {'stages':>6} {'regs':>4} {'ms':>8} {'GB/s':>7}")
-    rows, default = [], launch_config(None, kv is not None, sparse=True)
+    rows, default = [], launch_config(None, kv is not None)
     for launch in LAUNCHES:
         ms = _launch_ms(lambda: sparse_decode_attention(
             q, *ws, ws_map, seq_slots, local_lens, HEAD_DIM ** -0.5, out=out, launch=launch,

@@ -25,23 +25,19 @@ _LOG2E = 1.4426950408889634
 #: seen
 _NORM_FLOOR = tl.constexpr(2.0 ** -40)
 # Launch config: (KV tokens per inner-loop iteration (several blocks per tile when block_size is
-# small), warps, pipeline stages), tuned on an H200 (head_dim 128, block 16). 16-bit caches:
-# 64-token tiles, 2 stages. 8-bit paged decode loads each tile's block ids and scales one
-# iteration ahead (INDEX_AHEAD), which lets 3 stages pipeline: 128-token tiles, 3 stages, 2.5%
-# faster at 46 x 32K and 8% at 128 x 32K than 64 / 2 without (docs/benchmarks.md §15; the same
-# loading order costs 16-bit caches 3-5%; with whole tiles and fp16 P.V, 128 / 4 / 3 is still
-# the fastest of the sweep in §17; 1-2 warps per program are no faster, §29). With 8-bit values in
-# the V layout (``fp8.v_rows``) 64-token tiles of 2 warps and 3 stages are the fastest: 0.814 ms
-# per layer at 46 x 32K in 32-token blocks, 0.998 in 16-token blocks, where 128 / 4 / 3 took 0.88
-# and 1.09 (§30). 8-bit sparse decode
-# over the FP8 working sets of the 128 x 32K tiered point (K = 128, drafts, open blocks): 32-token
-# tiles, one warp per program, 3 stages, 37% faster than 128 / 4 / 3 (0.158 against 0.252 ms per
-# layer, §29; 128 / 4 / 3 was 22% faster than 64 / 4 / 2, §26).
-# A fourth entry caps the registers per thread (ptxas ``maxnreg``; 0: the compiler's choice), which
-# sets how many programs an SM holds.
+# small), warps, pipeline stages, register cap). 16-bit caches: 64-token tiles, 4 warps, 2 stages
+# (tuned on an H200, head_dim 128, block 16). 8-bit caches, paged and sparse decode alike: 32-token
+# tiles, one warp per program, 3 stages; each tile's block ids and scales load one iteration ahead
+# (INDEX_AHEAD), which lets 3 stages pipeline. With 8-bit V stored token-minor (``fp8.v_rows``) and
+# 32-token blocks, one warp per program reads faster than 64-token tiles of 2 warps: 0.507 against
+# 0.523 ms per layer at 22 x 32K on an H100 (3.00 TB/s, the copy bandwidth; 8 programs per SM
+# instead of 4, so the split heuristic's wave doubles), and the engine's dense FP8 step 3.4%
+# faster (docs/benchmarks.md §36). Sparse decode over the FP8 working sets of the 128 x 32K tiered
+# point: 37% faster than 128 / 4 / 3 (§29).
+# The fourth entry caps the registers per thread (ptxas ``maxnreg``; 0: the compiler's choice),
+# which sets how many programs an SM holds.
 _LAUNCH = (64, 4, 2, 0)
-_LAUNCH_8BIT = (64, 2, 3, 0)
-_LAUNCH_8BIT_SPARSE = (32, 1, 3, 0)
+_LAUNCH_8BIT = (32, 1, 3, 0)
 # Split heuristic: the number of programs the GPU runs at once ("a wave") is measured from the
 # compiled kernel's registers and shared memory (``_wave_size``; 512, about 4 per SM on a 132-SM
 # H200, before the first compile). The split count fills whole waves (a last, partly empty wave
@@ -466,16 +462,14 @@ def fp16_dot(q: torch.Tensor, cache: torch.Tensor) -> bool:
     return quantized(cache.dtype) and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def launch_config(launch: tuple[int, int, int, int] | None = None, quantized: bool = False,
-                  sparse: bool = False) -> tuple[int, int, int, int]:
-    """(tokens per iteration, warps, stages, register cap or 0) for paged and (``sparse``) sparse
-    decode: ``launch`` when given (a kernel benchmark's sweep), else the tuned one (``quantized``:
-    over an 8-bit cache or working set)."""
+def launch_config(launch: tuple[int, int, int, int] | None = None,
+                  quantized: bool = False) -> tuple[int, int, int, int]:
+    """(tokens per iteration, warps, stages, register cap or 0) for paged and sparse decode:
+    ``launch`` when given (a kernel benchmark's sweep), else the tuned one (``quantized``: over an
+    8-bit cache or working set)."""
     if launch:
         return launch
-    if quantized:
-        return _LAUNCH_8BIT_SPARSE if sparse else _LAUNCH_8BIT
-    return _LAUNCH
+    return _LAUNCH_8BIT if quantized else _LAUNCH
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,

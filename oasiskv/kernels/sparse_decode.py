@@ -41,7 +41,7 @@ from oasiskv.kernels.paged_decode import (_accumulate, _attend_open, _load_q, _l
 
 _LOG2E = 1.4426950408889634
 # The launch config (tokens per iteration, warps, stages, register cap) is paged_decode's
-# ``launch_config`` (sparse=True).
+# ``launch_config``.
 _DEFAULT_WAVE = 512
 
 
@@ -256,7 +256,7 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     if n == 0:
         return out
 
-    tokens, warps, stages, max_regs = launch_config(launch, scales is not None, sparse=True)
+    tokens, warps, stages, max_regs = launch_config(launch, scales is not None)
     slots_per_iter = max(1, tokens // block_size)
     key = (q.device, q.dtype, ws_k.dtype, head_dim, block_size, group, has_draft,
            open_block is not None, tokens, warps, stages, max_regs)
