@@ -46,11 +46,17 @@ need() {  # install missing packages from wheels staged in .whl (the machine has
   python3 -m pip install -q --no-index --find-links .whl "$@" 2>&1 | tail -2
 }
 
-# A fixture carried packed (`tar -cJf .fixtures/pycode-19m-target.tar.xz -C <fixtures> pycode-19m/target
-# pycode-19m/eval_dev.json`: 27 MB against 44 unpacked) is unpacked where OASISKV_FIXTURES points.
-if [ ! -d "$OASISKV_FIXTURES" ] && [ -f .fixtures/pycode-19m-target.tar.xz ]; then
-  mkdir -p "$(dirname "$OASISKV_FIXTURES")" && tar -xJf .fixtures/pycode-19m-target.tar.xz -C "$(dirname "$OASISKV_FIXTURES")"
-fi
+# Fixture parts carried packed are unpacked where OASISKV_FIXTURES points, each archive once:
+# `tar -cJf .fixtures/pycode-19m-target.tar.xz -C <fixtures> pycode-19m/target pycode-19m/eval_dev.json`
+# (27 MB against 44 unpacked) and, for the drafter tests, `tar -cJf .fixtures/pycode-19m-drafters.tar.xz
+# -C <fixtures> pycode-19m/draft pycode-19m/eagle3` (11 MB).
+for packed in .fixtures/*.tar.xz; do
+  [ -f "$packed" ] || continue
+  part=$(tar -tJf "$packed" | head -1); part=${part%/}
+  if [ ! -e "$(dirname "$OASISKV_FIXTURES")/$part" ]; then
+    mkdir -p "$(dirname "$OASISKV_FIXTURES")" && tar -xJf "$packed" -C "$(dirname "$OASISKV_FIXTURES")"
+  fi
+done
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
