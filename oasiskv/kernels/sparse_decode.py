@@ -32,17 +32,14 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.fp8 import OpenBlocks, check_scales
-from oasiskv.kernels.paged_decode import (_accumulate, _attend_open, _load_q, _load_scales,
-                                          _row_denominator, _softmax_tile, _fp16_query,
-                                          _store_split, _true_acc, _v_offsets, _wave_size,
-                                          _zero_denominator,
-                                          default_num_splits, fp16_dot, launch_config,
-                                          split_workspace)
+from oasiskv.kernels.paged_decode import (_DEFAULT_WAVE, _LOG2E, _accumulate, _attend_open,
+                                          _fp16_query, _load_q, _load_scales, _row_denominator,
+                                          _softmax_tile, _store_split, _true_acc, _v_offsets,
+                                          _wave_size, _zero_denominator, default_num_splits,
+                                          fp16_dot, launch_config, split_workspace)
 
-_LOG2E = 1.4426950408889634
-# The launch config (tokens per iteration, warps, stages, register cap) is paged_decode's
-# ``launch_config``.
-_DEFAULT_WAVE = 512
+# The launch config (tokens per iteration, warps, stages, register cap), the split heuristic and
+# its default wave are paged_decode's.
 
 
 @triton.jit
