@@ -244,12 +244,20 @@ def _label(engine: LLMEngine) -> str:
             + ("-EMULATED" if emulated_label(engine) else ""))
 
 
-def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
+def concurrency_limits(engine: LLMEngine, context: int, output_len: int) -> dict[str, int]:
+    """How many requests of ``context + output_len`` tokens each bound lets run at once: the KV
+    blocks (the HBM pool, or a tiered engine's host store), ``--max-num-seqs`` and, tiered, the
+    HBM working-set slots."""
     per_request = -(-(context + output_len) // engine.config.block_size)
-    limits = [engine.allocator.num_total_blocks // per_request, engine.config.max_num_seqs]
-    if isinstance(engine.allocator, TieredAllocator):  # working-set slots bound it too
-        limits.append(engine.allocator.num_seq_slots)
-    return max(1, min(limits))
+    limits = {"KV blocks": engine.allocator.num_total_blocks // per_request,
+              "--max-num-seqs": engine.config.max_num_seqs}
+    if isinstance(engine.allocator, TieredAllocator):
+        limits["working-set slots"] = engine.allocator.num_seq_slots
+    return limits
+
+
+def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
+    return max(1, min(concurrency_limits(engine, context, output_len).values()))
 
 
 def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict,
@@ -257,7 +265,9 @@ def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: i
     n = max_concurrency(engine, context, output_len) if concurrency == "max" else int(concurrency)
     point = Point(_label(engine), context, n, output_len)
     if n > max_concurrency(engine, context, output_len):
-        point.note = "does not fit in the KV pool"
+        limits = concurrency_limits(engine, context, output_len)
+        bound = min(limits, key=limits.get)
+        point.note = f"does not fit: {bound} allow {limits[bound]} requests"
         return point
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size

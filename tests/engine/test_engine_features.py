@@ -140,6 +140,17 @@ def test_cli_bench_prints_table_and_json():
     assert "roofline" in out.stdout
 
 
+def test_cli_bench_names_the_bound_a_point_does_not_fit():
+    out = subprocess.run([sys.executable, "-m", "oasiskv.cli", "--log-level", "WARNING", "bench",
+                          "qwen3-tiny", "--context-lens", "48", "--concurrency", "9",
+                          "--output-lens", "6", "--num-kv-blocks", "32"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    point = json.loads(out.stdout.strip().splitlines()[-1])["points"][0]
+    assert point["tok_s"] == 0  # 32 blocks of 16 tokens hold 8 requests of 54 tokens
+    assert point["note"] == "does not fit: KV blocks allow 8 requests"
+
+
 def test_chat_template_is_used_when_the_tokenizer_has_one(llm, monkeypatch):
     from oasiskv.llm import render_chat
     template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
