@@ -256,17 +256,14 @@ def concurrency_limits(engine: LLMEngine, context: int, output_len: int) -> dict
     return limits
 
 
-def max_concurrency(engine: LLMEngine, context: int, output_len: int) -> int:
-    return max(1, min(concurrency_limits(engine, context, output_len).values()))
-
-
 def bench_point(engine: LLMEngine, context: int, concurrency: str, output_len: int, env: dict,
                 seed: int) -> Point:
-    n = max_concurrency(engine, context, output_len) if concurrency == "max" else int(concurrency)
+    limits = concurrency_limits(engine, context, output_len)
+    bound = min(limits, key=limits.get)
+    most = max(1, limits[bound])
+    n = most if concurrency == "max" else int(concurrency)
     point = Point(_label(engine), context, n, output_len)
-    if n > max_concurrency(engine, context, output_len):
-        limits = concurrency_limits(engine, context, output_len)
-        bound = min(limits, key=limits.get)
+    if n > most:
         point.note = f"does not fit: {bound} allow {limits[bound]} requests"
         return point
     rng = random.Random(seed)
