@@ -96,7 +96,9 @@ for stage in $stages; do
       done ;;
     compare)  # before/after a change: dense 32K x max (KV_DTYPE) and the emulated-host point (EMU_CONC x
       # 32K, ngram, async, KV_DTYPE, SUMMARY_DTYPE), the tree in .before/ (e.g. `git archive BASE oasiskv | tar -x -C
-      # .before`) and this one, interleaved so both see the same machine; COMPARE_RUNS narrows it
+      # .before`) and this one, interleaved so both see the same machine; COMPARE_RUNS narrows it.
+      # The emulated point at EMU_CONC=128 takes about 8 minutes on an H200 (mostly the prefill of
+      # 4.2M prompt tokens): one tree per device call, on the same warm machine
       for run in ${COMPARE_RUNS:-before-dense after-dense before-emulated after-emulated}; do
         export PYTHONPATH=$(tree_dir "$run")
         if [ "${run#*-}" = dense ]; then
