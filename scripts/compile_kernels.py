@@ -133,7 +133,7 @@ def configs():
            dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr="fp8e4nv", v_cache_ptr="fp8e4nv",
                 slot_ptr="i64", open_k_ptr="bf16", open_v_ptr="bf16", open_slot_ptr="i64"),
            dict(BLOCK_SIZE=32, BLOCK_H=1, BLOCK_D=128, QMAX=QUANT_MAX[FP8], MIN_AMAX=MIN_AMAX,
-                QUANT=True, INT=False, STEPS=SCALE_STEPS, OPEN=True), (4, 3))
+                QUANT=True, INT=False, STEPS=SCALE_STEPS, OPEN=True, V_LAYOUT=True), (4, 3))
 
 
 def main() -> int:

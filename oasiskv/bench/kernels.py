@@ -24,7 +24,8 @@ rows x 2,048 blocks x 8 kv heads, K = 128, cap 7, one layer, for 1, 2, 4 and 8 w
 
 ``python -m oasiskv.bench.kernels --store``: ``store_kv`` (one layer's new K/V rows into the paged
 cache) at 46, 128 and 8,192 tokens, bf16 / e4m3 (searched scale) / int8 storage; the 8-bit ones
-also with each row copied to its open block, in the same launch and in a second one.
+also with each row copied to its open block, in the same launch and in a second one, and into a
+pinned host cache (the tiered host store, through UVA) with V in token order and in the V layout.
 
 ``python -m oasiskv.bench.kernels --sparse [--kv-cache-dtype ...]``: ``sparse_decode_attention``
 at the 128 x 32K tiered point (128 rows, each with a draft row; K = 128, every slot held; 8-bit:
@@ -32,6 +33,7 @@ with open blocks), one layer, for each launch config in ``LAUNCHES``; GB/s count
 bytes attended (8-bit: values and scales).
 """
 import argparse
+import functools
 import json
 import math
 import sys
@@ -211,7 +213,9 @@ def bench_store() -> dict:
     """``store_kv`` (one layer's K and V rows of STORE_TOKENS tokens, bf16 in, 8 kv heads x
     HEAD_DIM) into a paged cache of 32-token blocks, slots in random order, for each storage
     dtype (bf16, e4m3 with the searched scale, int8); the 8-bit ones also with each row copied
-    to an open block (``+open``: in the same launch; ``+open x2``: a second launch)."""
+    to an open block (``+open``: in the same launch; ``+open x2``: a second launch), and into a
+    pinned host cache, V in token order (``host``, the tiered host store's) or in the V layout
+    (``host, V layout``: each V row D one-byte writes across PCIe)."""
     from oasiskv.kernels.fp8 import FP8, INT8, empty_kv
     from oasiskv.kernels.store_kv import store_kv
     dev, block = torch.device("cuda"), 32
@@ -235,6 +239,12 @@ def bench_store() -> dict:
                                                  open_block=(open_k, open_v, open_rows))
                 runs["+open x2"] = lambda: (store_kv(k, v, k_cache, v_cache, slots, scales),
                                             store_kv(k, v, open_k, open_v, open_rows))
+                host_k, host_v, host_scales = (
+                    x.pin_memory() if torch.is_tensor(x) else tuple(s.pin_memory() for s in x)
+                    for x in empty_kv((blocks, NUM_KV_HEADS, block, HEAD_DIM), kv))
+                for label, v_layout in (("host", False), ("host, V layout", True)):
+                    runs[f" {label}"] = functools.partial(store_kv, k, v, host_k, host_v, slots,
+                                                          host_scales, v_layout=v_layout)
             for label, fn in runs.items():
                 us = 1e3 * _graph_median_ms(fn)
                 name = str(kv).removeprefix("torch.") + label
@@ -247,17 +257,17 @@ def bench_sparse(kv: torch.dtype | None) -> dict:
     """``sparse_decode_attention`` launch configs over one layer's working sets of SELECT_ROWS
     sequences (SELECT_K + 1 slots each, all held) with a draft row each; 8-bit ``kv``: with
     open blocks."""
-    from oasiskv.kernels.fp8 import OpenBlocks, quantize_rows, stored_v
+    from oasiskv.kernels.fp8 import OpenBlocks, quantize_rows
     from oasiskv.kernels.paged_decode import launch_config
     from oasiskv.kernels.sparse_decode import sparse_decode_attention
 
     dev, n, slots = torch.device("cuda"), SELECT_ROWS, SELECT_K + 1
     shape = (n + 1, NUM_KV_HEADS, slots, BLOCK_SIZE, HEAD_DIM)  # (+ the padding rows' slot)
     ws, scales = [], []
-    for is_v in (False, True):
+    for _ in range(2):  # K, V (8-bit V in token order too: the tiered store's)
         x = torch.randn(shape, dtype=DTYPE, device=dev)
         values, scale = quantize_rows(x, kv) if kv is not None else (x, None)
-        ws.append(stored_v(values) if kv is not None and is_v else values)  # (the V layout)
+        ws.append(values)
         scales.append(scale)
         del x
     ws_map = torch.arange(slots, dtype=torch.int32, device=dev).expand(shape[:3]).contiguous()

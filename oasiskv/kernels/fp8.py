@@ -16,16 +16,21 @@ is needed. Cost: 4 bytes per ``head_dim`` bytes (3% at head_dim 128). Scales liv
 in tensors of the same leading shape without the last dimension (a cache ``[N, Hk, B, D]`` has
 scales ``[N, Hk, B]``) and travel with them (the UVA gather copies both).
 
-The V layout: 8-bit V storage keeps each block's bytes token-minor. A tensor of 8-bit V rows
-has the shape of its K twin (``[..., B, D]``, B tokens of D values per block, the last two dims
-contiguous), but value (t, d) of a block lives at byte ``d * B + t`` of it (``v_rows`` views it
-in token order; ``stored_v`` writes rows so). Why: decode multiplies the weights ``[G, B]`` by the
-values ``[B, D]``, a dot that reduces over tokens, and a tensor-core operand pairs neighbouring
-tokens of one dimension in a register. Stored token-major, 8-bit values reach those pairs only
-one byte per shared-memory load (16-bit values have a transposing matrix load, bytes have none);
-token-minor, they load as words, and with 32-token blocks FP8 paged decode reads 3.8 TB/s where it
-read 2.9 (docs/benchmarks.md section 30). Whole blocks move as bytes (host store, working sets,
-transfers), so nothing else sees the order. Scales keep one per token, in token order.
+The V layout: a dense pool's 8-bit V keeps each block's bytes token-minor. A tensor of 8-bit V
+rows has the shape of its K twin (``[..., B, D]``, B tokens of D values per block, the last two
+dims contiguous), but value (t, d) of a block lives at byte ``d * B + t`` of it (``v_rows`` views
+it in token order; ``stored_v`` writes rows so). Why: decode multiplies the weights ``[G, B]`` by
+the values ``[B, D]``, a dot that reduces over tokens, and a tensor-core operand pairs
+neighbouring tokens of one dimension in a register. Stored token-major, 8-bit values reach those
+pairs only one byte per shared-memory load (16-bit values have a transposing matrix load, bytes
+have none); token-minor, they load as words, and with 32-token blocks FP8 paged decode reads 3.8
+TB/s where it read 2.9 (docs/benchmarks.md section 30). The tiered store (host store, working
+sets, local blocks) keeps 8-bit V in token order, as K: decode writes each token's row into the
+host store across PCIe, where a token-minor row is D one-byte writes (at 64 x 32K the store
+kernel then took 5.9 ms of a 29 ms step, against 0.3 in token order), and sparse decode's
+one-warp tiles read token-order sets faster (docs/benchmarks.md section 39). Whole blocks move as
+bytes between the host store, working sets and transfers, which share the order. Scales keep one
+per token, in token order.
 
 Open blocks (``kv_open_block=model``): e4m3's flips of the model's top-1 sit mostly in the query's
 own block, the most recent 1-16 tokens (docs/benchmarks.md section 24: keeping those exact takes a

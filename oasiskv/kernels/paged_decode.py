@@ -59,8 +59,8 @@ def _load_q(q_ptr, q_rows, stride_qb, stride_qh, q_heads, g_mask, offs_d):
 @triton.jit
 def _v_offsets(tile_off, offs_d, stride_t, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr):
     """Offsets ``[TILE, HEAD_DIM]`` of value (token ``tile_off``, dim ``offs_d``) inside a block
-    whose tokens lie ``stride_t`` apart; 8-bit (QUANT): in the V layout (``fp8.v_rows``), where
-    the tile loads token-minor, the order its dot reads."""
+    whose tokens lie ``stride_t`` apart; 8-bit (QUANT, a dense pool's): in the V layout
+    (``fp8.v_rows``), where the tile loads token-minor, the order its dot reads."""
     if QUANT:
         offs = tile_off[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:

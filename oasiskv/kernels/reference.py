@@ -17,8 +17,8 @@ from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, quantize_rows,
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 open_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                 ) -> None:
+                 open_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 v_layout: bool = True) -> None:
     """Write ``k[i]``/``v[i]`` (``[N, num_kv_heads, head_dim]``) into cache slot
     ``slot_mapping[i]``, and with ``open_block`` ``(open_k, open_v, open_slots)`` also, cast and
     unquantised, into slot ``open_slots[i]`` of ``open_k``/``open_v``.
@@ -27,7 +27,8 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     e.g. a layer of the host store), written in place with values cast to their dtype; slot =
     ``block_id * block_size + offset``; negative slots are skipped. 8-bit caches: rows quantised
     (``quantize_rows(..., search=True)``) with ``scales`` ``(k_scale, v_scale)`` ``[num_blocks,
-    num_kv_heads, block_size]`` written too, V in the V layout (``fp8.v_rows``).
+    num_kv_heads, block_size]`` written too, V in the V layout (``fp8.v_rows``) or, with
+    ``v_layout=False``, in token order.
     """
     if open_block is not None:
         store_kv_ref(k, v, *open_block)
@@ -36,7 +37,9 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     slots = slot_mapping[keep].long()
     blk, off = slots // block_size, slots % block_size
     # Advanced indices split by a slice: the selection is [n, num_kv_heads, head_dim].
-    for x, cache, i in ((k, k_cache, 0), (v, v_cache if scales is None else v_rows(v_cache), 1)):
+    if scales is not None and v_layout:
+        v_cache = v_rows(v_cache)
+    for x, cache, i in ((k, k_cache, 0), (v, v_cache, 1)):
         if scales is None:
             cache[blk, :, off] = x[keep].to(cache.dtype)
         else:
@@ -165,10 +168,9 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     ``ws_map[s, h, j] >= 0`` and the first ``local_lens[n]`` tokens of slot W-1; rows with nothing
     to attend give zeros. draft_rows ``[N]`` (q row of row n's draft, -1 none): a draft row attends
     what its row attends plus its own ``extra_k/extra_v`` ``[Nq, Hk, D]`` entry (nothing for a
-    padding row's draft). 8-bit working sets come with ``scales`` ``[S, Hk, W, B]`` each (V in
-    the V layout, ``fp8.v_rows``); with
-    ``open_block`` row n's local tokens come from its block ``open_block.slots[n]``. num_splits is
-    accepted for signature parity and ignored.
+    padding row's draft). 8-bit working sets (V in token order, as K) come with ``scales``
+    ``[S, Hk, W, B]`` each; with ``open_block`` row n's local tokens come from its block
+    ``open_block.slots[n]``. num_splits is accepted for signature parity and ignored.
     """
     num_rows, num_q_heads, head_dim = q.shape
     n = seq_slots.shape[0]
@@ -195,8 +197,6 @@ def sparse_decode_ref(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Tensor,
     tokens = num_slots * block_size
     valid = (tok_ok & (seq >= 0)[:, None, None, None]).reshape(num_rows, num_kv_heads, tokens)
 
-    if scales is not None:
-        ws_v = v_rows(ws_v)
     k, v = (dequantize(ws[rows], None if scales is None else scales[i][rows])
             for i, ws in enumerate((ws_k, ws_v)))  # [Nq, Hk, W, B, D]
     if open_block is not None:

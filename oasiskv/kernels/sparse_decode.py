@@ -34,9 +34,9 @@ import triton.language as tl
 from oasiskv.kernels.fp8 import OpenBlocks, check_scales
 from oasiskv.kernels.paged_decode import (_DEFAULT_WAVE, _LOG2E, _accumulate, _attend_open,
                                           _fp16_query, _load_q, _load_scales, _row_denominator,
-                                          _softmax_tile, _store_split, _true_acc, _v_offsets,
-                                          _wave_size, _zero_denominator, default_num_splits,
-                                          fp16_dot, launch_config, split_workspace)
+                                          _softmax_tile, _store_split, _true_acc, _wave_size,
+                                          _zero_denominator, default_num_splits, fp16_dot,
+                                          launch_config, split_workspace)
 
 # The launch config (tokens per iteration, warps, stages, register cap), the split heuristic and
 # its default wave are paged_decode's.
@@ -119,7 +119,8 @@ def _sparse_split_kernel(
     scale_head = seq64 * stride_ss + kv_head * stride_sh
     # Per-token offset inside a slot, K transposed ([HEAD_DIM, TILE]) so it loads straight as K^T.
     kt_in_slot = tile_off[None, :] * stride_kt + offs_d[:, None]
-    v_in_slot = _v_offsets(tile_off, offs_d, stride_vt, BLOCK_SIZE, QUANT)
+    # (8-bit V too in token order: the tiered store's, kernels/fp8.py)
+    v_in_slot = tile_off[:, None] * stride_vt + offs_d[None, :]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = _zero_denominator(BLOCK_G, TILE, FP16_DOT)
@@ -192,8 +193,8 @@ def sparse_decode_attention(q: torch.Tensor, ws_k: torch.Tensor, ws_v: torch.Ten
     q: ``[Nq, Hq, D]`` (last-dim stride 1), Hq = G * Hk; query head h attends kv head ``h // G``.
     Rows ``0..N-1`` (N = len(seq_slots)) are the rows; without ``draft_rows`` Nq = N.
     ws_k, ws_v: ``[S, Hk, W, B, D]``, same shape and dtype, last two dims contiguous (other strides
-    free, e.g. one layer of a ``[L, S, Hk, W, B, D]`` buffer); D and B powers of two >= 16; an
-    8-bit ``ws_v`` holds its blocks in the V layout (``fp8.v_rows``).
+    free, e.g. one layer of a ``[L, S, Hk, W, B, D]`` buffer); D and B powers of two >= 16; 8-bit
+    values too in token order, as K (not in the dense pool's V layout, ``kernels/fp8.py``).
     ws_map: int32 ``[S, Hk, W]`` (last-dim stride 1), block held by each slot, -1 = empty; only
     entries ``j < W-1`` are read. seq_slots: int32 ``[N]``, the sequence slot of each row,
     -1 = padding row. local_lens: int32 ``[N]`` in ``0..B``, tokens of the local slot W-1 this row

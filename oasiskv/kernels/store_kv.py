@@ -121,11 +121,12 @@ def _store_kv_kernel(
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr, INT: tl.constexpr,
-    STEPS: tl.constexpr, OPEN: tl.constexpr,
+    STEPS: tl.constexpr, OPEN: tl.constexpr, V_LAYOUT: tl.constexpr,
 ):
     """Program ``(token, h)`` copies the token's K and V rows of heads ``h * BLOCK_H`` ..
-    ``(h + 1) * BLOCK_H - 1`` into its cache slot (QUANT: as 8-bit rows with their scales), and
-    with OPEN also, unquantised, into its slot of the open-block caches (``open_slot_ptr``)."""
+    ``(h + 1) * BLOCK_H - 1`` into its cache slot (QUANT: as 8-bit rows with their scales; V in
+    the V layout where V_LAYOUT), and with OPEN also, unquantised, into its slot of the open-block
+    caches (``open_slot_ptr``)."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -142,7 +143,7 @@ def _store_kv_kernel(
     blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     in_blk = off * stride_cs + dims
     # 8-bit V in the V layout (kernels/fp8.py): a block's bytes token-minor
-    v_in_blk = off + dims * BLOCK_SIZE if QUANT else in_blk
+    v_in_blk = off + dims * BLOCK_SIZE if V_LAYOUT else in_blk
     scale_off = blk * stride_sb + heads * stride_sh + off
     _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, k_cache_ptr,
                 k_scale_ptr, steps_ptr, blk * stride_kcb + heads * stride_kch + in_blk, scale_off,
@@ -157,7 +158,8 @@ def _store_kv_kernel(
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor,
              scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-             open_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+             open_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             v_layout: bool = True) -> None:
     """Write ``k[i]``/``v[i]`` into cache slot ``slot_mapping[i]``, in place; negative slots are
     skipped.
 
@@ -169,7 +171,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (``float8_e4m3fn``, ``int8``) come with ``scales``: float32 ``(k_scale, v_scale)``, the
     caches' shape without the last dim (same strides for both), last-dim stride 1: each row is
     quantised with its own scale (``kernels/fp8.py``; e4m3 rows with the searched one,
-    ``quantize_rows(..., search=True)``), V in the V layout (``fp8.v_rows``). ``open_block``
+    ``quantize_rows(..., search=True)``), V in the V layout (``fp8.v_rows``: a dense pool's) or,
+    ``v_layout=False``, in token order as K (the tiered store's, ``kernels/fp8.py``). ``open_block``
     ``(open_k, open_v, open_slots)``: the same rows also go, cast and unquantised, to slot
     ``open_slots[i]`` (``[N]``, negative: skipped) of ``open_k``/``open_v``, contiguous caches of
     the cache's block and head shape (an 8-bit pool's open blocks, ``kernels/fp8.py``), in the same
@@ -213,4 +216,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_SIZE=k_cache.shape[2], BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim),
         QMAX=QUANT_MAX.get(k_cache.dtype, 1.0), MIN_AMAX=MIN_AMAX, QUANT=scales is not None,
         INT=k_cache.dtype == INT8, STEPS=steps, OPEN=open_block is not None,
+        V_LAYOUT=scales is not None and v_layout,
     )

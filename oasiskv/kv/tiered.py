@@ -26,7 +26,7 @@ from oasiskv.attention.prefill import prefill_attention
 from oasiskv.config import TierConfig
 from oasiskv.engine.forward_batch import ForwardBatch
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import dequantize, empty_kv, quantized, v_rows
+from oasiskv.kernels.fp8 import dequantize, empty_kv, quantized
 from oasiskv.kv.counters import DeviceCounters
 from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.host_store import HostStore
@@ -181,7 +181,8 @@ class TieredKV:
         """Write the step's K/V ``[T, Hk, D]`` into the host store at ``host_slots`` ``[T]``
         (``host.physical_slots`` of the slot mapping; negative slots skipped)."""
         host_k, host_v = self.host.layer(layer)
-        self._store(k, v, host_k, host_v, host_slots, scales=self.host.layer_scales(layer))
+        self._store(k, v, host_k, host_v, host_slots, scales=self.host.layer_scales(layer),
+                    v_layout=False)
 
     def prefill(self, layer: int, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Dense attention over each sequence's prompt (a chunk's prefix read from the host store,
@@ -230,7 +231,7 @@ class TieredKV:
                      torch.arange(n * heads, device=self.device),
                      scales=None if scales is None else (*self.host.scales, *scales))
         if scales is not None:
-            k, v = (dequantize(x, s).to(lay.dtype) for x, s in zip((k, v_rows(v)), scales))
+            k, v = (dequantize(x, s).to(lay.dtype) for x, s in zip((k, v), scales))
         return tuple(x.view(n, heads, B, D).transpose(0, 1).reshape(heads, -1, D)[:, :length]
                      for x in (k, v))
 
@@ -321,7 +322,7 @@ class TieredKV:
         local_k, local_v = self.ws.local(layer)
         self._store(k, v, local_k, local_v, rows.local_index, scales=self.ws.local_scales(layer),
                     open_block=(self.ws.open_k[layer], self.ws.open_v[layer], rows.local_index)
-                    if self.open_blocks else None)
+                    if self.open_blocks else None, v_layout=False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: TierStep, scale: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.dispatch import kernel
-from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, empty_kv, v_rows
+from oasiskv.kernels.fp8 import OpenBlocks, as_bytes, dequantize, empty_kv
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.layout import TieredLayout
 
@@ -78,7 +78,7 @@ class WorkingSet:
         if self.open_k:
             slots = slots.long()
             k_local, v_local = self.local(layer)
-            for opened, local, scale in zip((self.open_k, self.open_v), (k_local, v_rows(v_local)),
+            for opened, local, scale in zip((self.open_k, self.open_v), (k_local, v_local),
                                             self.local_scales(layer)):
                 rows = as_bytes(local)[slots].view(local.dtype)
                 opened[layer][slots] = dequantize(rows, scale[slots]).to(opened[layer].dtype)

@@ -81,7 +81,7 @@ def test_a_handed_off_prompt_with_8_bit_kv_opens_its_local_block_dequantized(tin
     """Partial admission with FP8 K/V and open blocks: the decode engine has only the 8-bit copy
     of a prompt's last, partly written block, so at seeding its open block (what decode attends)
     becomes those rows dequantized, at every layer, and decode goes on from there."""
-    from oasiskv.kernels.fp8 import as_bytes, dequantize, v_rows
+    from oasiskv.kernels.fp8 import as_bytes, dequantize
     from oasiskv.kv.working_set import WorkingSet
     opened, real = [], WorkingSet.open_from_local
 
@@ -90,8 +90,8 @@ def test_a_handed_off_prompt_with_8_bit_kv_opens_its_local_block_dequantized(tin
     def spy(ws, layer, slots):
         real(ws, layer, slots)
         slot = slots.long()
-        k_local, v_local = ws.local(layer)  # (8-bit values: in the V layout)
-        for open_rows, local, scale in zip((ws.open_k, ws.open_v), (k_local, v_rows(v_local)),
+        k_local, v_local = ws.local(layer)  # (8-bit values, V too, in token order)
+        for open_rows, local, scale in zip((ws.open_k, ws.open_v), (k_local, v_local),
                                            ws.local_scales(layer)):
             rows = as_bytes(local)[slot].view(local.dtype)
             want = dequantize(rows, scale[slot]).to(open_rows[layer].dtype)

@@ -149,8 +149,11 @@ def test_store_kv_int8_rounds_ties_to_even(fn):
 
 @KV_DTYPES
 @pytest.mark.parametrize("block", [16, 32])  # (32: a dense 8-bit pool's default)
+@pytest.mark.parametrize("v_layout", [True, False], ids=["v-layout", "v-rows"])
 @pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "ref"])
-def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, block, kv):
+def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, v_layout, block, kv):
+    """Rows quantised with their scales, V in the V layout (a dense pool's) or in token order as
+    K (``v_layout=False``: the tiered store's); nothing else written."""
     gen = torch.Generator().manual_seed(1)
     n, heads, dim, blocks = 7, 2, 32, 3
     mags = torch.logspace(-3, 2, n * heads).view(n, heads, 1)
@@ -159,10 +162,11 @@ def test_store_kv_8_bit_writes_quantised_rows_and_scales(fn, block, kv):
     k_cache = blank((blocks, heads, block, dim), kv)
     v_cache = k_cache.clone()
     scales = tuple(torch.full((blocks, heads, block), NAN) for _ in range(2))
-    fn(k, v, k_cache, v_cache, slots, scales=scales)
+    fn(k, v, k_cache, v_cache, slots, scales=scales, v_layout=v_layout)
     keep = slots >= 0
     b, o = slots[keep] // block, slots[keep] % block
-    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_rows(v_cache), scales[1])):
+    for x, cache, scale in ((k, k_cache, scales[0]),
+                            (v, v_rows(v_cache) if v_layout else v_cache, scales[1])):
         want_q, want_s = quantize_rows(x[keep], kv, search=True)
         assert torch.equal(bits(cache[b, :, o]), bits(want_q))
         assert torch.equal(scale[b, :, o], want_s)
@@ -330,7 +334,7 @@ def test_paged_decode_8_bit_reads_each_rows_last_block_from_its_open_block(q_dty
 def test_sparse_decode_8_bit_equals_reference(with_draft, kv):
     q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, seed=4)
-    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized_v(ws_v, kv)
+    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized(ws_v, kv)  # (V in token order too)
     extra = {}
     if with_draft:
         gen = torch.Generator().manual_seed(5)
@@ -345,7 +349,7 @@ def test_sparse_decode_8_bit_equals_reference(with_draft, kv):
                                   num_splits=2, scales=(ks, vs), **extra)
     ref = sparse_decode_ref(q, kq, vq, ws_map, seq_slots, local_lens, scale, scales=(ks, vs),
                             **extra)
-    dense = _dense_sparse(q, dequantize(kq, ks), dequantize(v_rows(vq), vs), ws_map, seq_slots,
+    dense = _dense_sparse(q, dequantize(kq, ks), dequantize(vq, vs), ws_map, seq_slots,
                           local_lens, scale, **extra)
     assert got.isfinite().all()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
@@ -360,8 +364,8 @@ def _sparse_open_case(kv, q_dtype, device="cpu", heads=2, group=2, dim=32, num_s
     q, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=heads, group=group, head_dim=dim, dtype=torch.float32,
         num_slots=num_slots, seed=seed)
-    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized_v(ws_v, kv)
-    seen_k, seen_v = dequantize(kq, ks), dequantize(v_rows(vq), vs)
+    (kq, ks), (vq, vs) = quantized(ws_k, kv), quantized(ws_v, kv)
+    seen_k, seen_v = dequantize(kq, ks), dequantize(vq, vs)
     seqs = ws_k.shape[0]
     gen = torch.Generator().manual_seed(seed)
     of_seq = torch.randperm(seqs + 2, generator=gen)[:seqs].int()
@@ -443,7 +447,7 @@ def test_decode_kernels_with_16_bit_queries_run_16_bit_dots_close_to_the_referen
     cq, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, seed=12)
     ws_v = ws_v * 10 ** (v_spread * (2 * torch.rand(ws_v.shape[:-1] + (1,), generator=gen) - 1))
-    (wk, wks), (wv, wvs) = quantized(ws_k, kv), quantized_v(ws_v, kv)
+    (wk, wks), (wv, wvs) = quantized(ws_k, kv), quantized(ws_v, kv)
     n = len(ROWS)
     gen = torch.Generator().manual_seed(13)
     cq = (torch.cat([cq, torch.randn(1, cq.shape[1], 32, generator=gen)]) * q_gain).to(q_dtype)
@@ -471,7 +475,7 @@ def _close_per_head(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 def test_gather_blocks_moves_8_bit_slices_with_their_scales(fn, kv):
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(dtype=torch.float32,
                                                                            seed=6)
-    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized_v(host_v, kv)
+    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized(host_v, kv)
     wk, wv = ws_k.to(kv), ws_v.to(kv)
     wks, wvs = (torch.full(ws_k.shape[:-1], NAN) for _ in range(2))
     want = [x.clone() for x in (wk, wv, wks, wvs)]
@@ -599,7 +603,7 @@ def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_devi
     cq, ws_k, ws_v, ws_map, seq_slots, local_lens = _ws_case(
         ROWS, num_kv_heads=heads, group=group, head_dim=dim, dtype=torch.float32, num_slots=9,
         seed=8, device=dev)
-    (wk, wks), (wv, wvs) = quantized(ws_k.cpu(), kv), quantized_v(ws_v.cpu(), kv)
+    (wk, wks), (wv, wvs) = quantized(ws_k.cpu(), kv), quantized(ws_v.cpu(), kv)
     got = sparse_decode_attention(cq.bfloat16(), wk.to(dev), wv.to(dev), ws_map, seq_slots,
                                   local_lens, dim ** -0.5, scales=(wks.to(dev), wvs.to(dev)))
     ref = sparse_decode_ref(*cpu(cq.bfloat16()), wk, wv, *cpu(ws_map, seq_slots, local_lens),
@@ -610,7 +614,7 @@ def test_8_bit_kernels_compiled_at_a_real_shape_equal_their_references(cuda_devi
     host_k, host_v, ws_k, ws_v, src_block, src_head, dst_slot = _host_case(
         num_kv_heads=heads, head_dim=dim, dtype=torch.float32, m=64, num_host_blocks=40,
         num_slots=9, device=dev, seed=9)
-    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized_v(host_v, kv)
+    (hk, hks), (hv, hvs) = quantized(host_k, kv), quantized(host_v, kv)
     hk, hv, hks, hvs = (x.pin_memory() for x in (hk, hv, hks, hvs))
     wk, wv = ws_k.to(kv), ws_v.to(kv)
     wks, wvs = (torch.full(ws_k.shape[:-1], NAN, device=dev) for _ in range(2))
