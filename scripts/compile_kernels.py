@@ -129,11 +129,17 @@ def configs():
                     open_slots_ptr="i32", out_ptr="bf16", count_ptr="i32"),
                dict(heads, BLOCK_SIZE=16, SLOTS_PER_ITER=tokens // 16, DIRECT=direct,
                     HAS_DRAFT=True, QUANT=True, FP16_DOT=True, OPEN=True), (warps, stages))
-    yield ("store, e4m3 with the scale search and open blocks", store_kv._store_kv_kernel,
-           dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr="fp8e4nv", v_cache_ptr="fp8e4nv",
-                slot_ptr="i64", open_k_ptr="bf16", open_v_ptr="bf16", open_slot_ptr="i64"),
-           dict(BLOCK_SIZE=32, BLOCK_H=1, BLOCK_D=128, QMAX=QUANT_MAX[FP8], MIN_AMAX=MIN_AMAX,
-                QUANT=True, INT=False, STEPS=SCALE_STEPS, OPEN=True, V_LAYOUT=True), (4, 3))
+    store = dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr="fp8e4nv", v_cache_ptr="fp8e4nv",
+                 slot_ptr="i64", open_k_ptr="bf16", open_v_ptr="bf16", open_slot_ptr="i64",
+                 mirror_k_ptr="fp8e4nv", mirror_v_ptr="fp8e4nv", mirror_slot_ptr="i64")
+    e4m3 = dict(BLOCK_H=1, BLOCK_D=128, QMAX=QUANT_MAX[FP8], MIN_AMAX=MIN_AMAX, QUANT=True,
+                INT=False, STEPS=SCALE_STEPS, OPEN=True)
+    yield ("store, e4m3 with the scale search and open blocks (dense pool)",
+           store_kv._store_kv_kernel, store,
+           dict(e4m3, BLOCK_SIZE=32, V_LAYOUT=True, MIRROR=False), (4, 3))
+    yield ("store, e4m3, tiered decode (host store, local and open blocks)",
+           store_kv._store_kv_kernel, store,
+           dict(e4m3, BLOCK_SIZE=16, V_LAYOUT=False, MIRROR=True), (4, 3))
 
 
 def main() -> int:

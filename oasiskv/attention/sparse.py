@@ -236,14 +236,14 @@ class SparseBackend(SlotBackend):
             if not batch.is_prefill:
                 step.rows = self.kv.decode_rows(step.slots, batch.positions[:n],
                                                 batch.block_tables, batch.context_lens > 0)
-        self.kv.store(layer, k, v, step.host_slots)
         if batch.is_prefill:
+            self.kv.store(layer, k, v, step.host_slots)
             return self.kv.prefill(layer, q, k, v, batch, scale)
         return self._decode(layer, q, k, v, batch, scale)
 
     def _decode(self, layer, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
         kv, step, n, tables = self.kv, batch.meta, batch.num_seqs, batch.block_tables
-        kv.store_local(layer, k[:n], v[:n], step.rows)
+        kv.store_decode(layer, k[:n], v[:n], step.host_slots[:n], step.rows)
         self.retrieval.before_attention(layer, q[:n], step.rows, tables)
         out = kv.attend(layer, q, k, v, step, scale)
         self.guardrail.tap(layer, q[:n], step.rows, scale)

@@ -18,7 +18,7 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
                  slot_mapping: torch.Tensor,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                  open_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 v_layout: bool = True) -> None:
+                 v_layout: bool = True, mirror: tuple | None = None) -> None:
     """Write ``k[i]``/``v[i]`` (``[N, num_kv_heads, head_dim]``) into cache slot
     ``slot_mapping[i]``, and with ``open_block`` ``(open_k, open_v, open_slots)`` also, cast and
     unquantised, into slot ``open_slots[i]`` of ``open_k``/``open_v``.
@@ -28,10 +28,13 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     ``block_id * block_size + offset``; negative slots are skipped. 8-bit caches: rows quantised
     (``quantize_rows(..., search=True)``) with ``scales`` ``(k_scale, v_scale)`` ``[num_blocks,
     num_kv_heads, block_size]`` written too, V in the V layout (``fp8.v_rows``) or, with
-    ``v_layout=False``, in token order.
+    ``v_layout=False``, in token order. ``mirror`` ``(mirror_k, mirror_v, mirror_slots,
+    mirror_scales)``: the same stored rows and scales also into those caches.
     """
     if open_block is not None:
         store_kv_ref(k, v, *open_block)
+    if mirror is not None:  # (quantising is deterministic: the same rows and scales again)
+        store_kv_ref(k, v, *mirror[:3], scales=mirror[3], v_layout=v_layout)
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

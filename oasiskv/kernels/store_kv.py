@@ -86,16 +86,21 @@ def _searched_e4m3(x, base, steps_ptr, QMAX: tl.constexpr, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(x_ptr, cache_ptr, scale_ptr, steps_ptr, cache_off, scale_off, mask, row_mask,
-                open_ptr, open_off, open_mask,
+def _store_rows(x_ptr, steps_ptr, mask, cache_ptr, cache_off, scale_ptr, scale_off, row_mask,
+                open_ptr, open_off, open_mask, mirror_ptr, mirror_off, mirror_scale_ptr,
+                mirror_scale_off, mirror_mask, mirror_row_mask,
                 QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr,
-                INT: tl.constexpr, STEPS: tl.constexpr, OPEN: tl.constexpr):
-    """Store rows ``[BLOCK_H, BLOCK_D]`` (``mask``) into the cache: cast, or (QUANT) quantised per
-    row to e4m3, or (INT) to int8, with QMAX the format's largest value, its scale written at
-    ``scale_off`` ``[BLOCK_H, 1]`` where ``row_mask`` (``kernels/fp8.py``). STEPS > 1 (e4m3): the
-    scale is searched among the STEPS multipliers at ``steps_ptr`` (``_searched_e4m3``). OPEN:
-    the rows are also copied, cast to its dtype, to ``open_ptr + open_off`` where ``open_mask``."""
-    x = tl.load(x_ptr, mask=mask | open_mask, other=0.0)
+                INT: tl.constexpr, STEPS: tl.constexpr, OPEN: tl.constexpr,
+                MIRROR: tl.constexpr):
+    """Store rows ``[BLOCK_H, BLOCK_D]`` (``mask``; ``row_mask`` ``[BLOCK_H, 1]``: the rows') into
+    the cache: cast, or (QUANT) quantised per row to e4m3, or (INT) to int8, with QMAX the
+    format's largest value, its scale written at ``scale_off`` ``[BLOCK_H, 1]``
+    (``kernels/fp8.py``). STEPS > 1 (e4m3): the scale is searched among the STEPS multipliers at
+    ``steps_ptr`` (``_searched_e4m3``). OPEN: the rows are also copied, cast to its dtype, to
+    ``open_ptr + open_off`` where ``open_mask``. MIRROR: the stored values and scales also go to
+    ``mirror_ptr + mirror_off`` where ``mirror_mask`` and ``mirror_scale_ptr + mirror_scale_off``
+    where ``mirror_row_mask``."""
+    x = tl.load(x_ptr, mask=mask | open_mask | mirror_mask, other=0.0)
     if OPEN:
         tl.store(open_ptr + open_off, x.to(open_ptr.dtype.element_ty), mask=open_mask)
     if QUANT:
@@ -108,31 +113,40 @@ def _store_rows(x_ptr, cache_ptr, scale_ptr, steps_ptr, cache_off, scale_off, ma
             x = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -QMAX), QMAX)
             x = _round_to_integer(x) if INT else _round_to_e4m3(x)
         tl.store(scale_ptr + scale_off, scale[:, None], mask=row_mask)
-    tl.store(cache_ptr + cache_off, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        if MIRROR:
+            tl.store(mirror_scale_ptr + mirror_scale_off, scale[:, None], mask=mirror_row_mask)
+    stored = x.to(cache_ptr.dtype.element_ty)
+    tl.store(cache_ptr + cache_off, stored, mask=mask)
+    if MIRROR:
+        tl.store(mirror_ptr + mirror_off, stored, mask=mirror_mask)
 
 
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, steps_ptr,
     open_k_ptr, open_v_ptr, open_slot_ptr,
+    mirror_k_ptr, mirror_v_ptr, mirror_ks_ptr, mirror_vs_ptr, mirror_slot_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kch, stride_vcb, stride_vch, stride_cs,
     stride_sb, stride_sh, stride_ob, stride_oh,
+    stride_mkb, stride_mkh, stride_mvb, stride_mvh, stride_msb, stride_msh,
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, QUANT: tl.constexpr, INT: tl.constexpr,
-    STEPS: tl.constexpr, OPEN: tl.constexpr, V_LAYOUT: tl.constexpr,
+    STEPS: tl.constexpr, OPEN: tl.constexpr, V_LAYOUT: tl.constexpr, MIRROR: tl.constexpr,
 ):
     """Program ``(token, h)`` copies the token's K and V rows of heads ``h * BLOCK_H`` ..
     ``(h + 1) * BLOCK_H - 1`` into its cache slot (QUANT: as 8-bit rows with their scales; V in
-    the V layout where V_LAYOUT), and with OPEN also, unquantised, into its slot of the open-block
-    caches (``open_slot_ptr``)."""
+    the V layout where V_LAYOUT), with OPEN also, unquantised, into its slot of the open-block
+    caches (``open_slot_ptr``), and with MIRROR the same stored rows and scales into its slot of
+    the mirror caches (``mirror_slot_ptr``)."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     row_mask = (heads < num_heads) & (slot >= 0)
-    mask = row_mask & (dims < head_dim)
+    dim_ok = dims < head_dim
+    mask = row_mask & dim_ok
     if OPEN:
         open_slot = tl.load(open_slot_ptr + tok).to(tl.int64)
         open_mask = (heads < num_heads) & (open_slot >= 0) & (dims < head_dim)
@@ -145,21 +159,35 @@ def _store_kv_kernel(
     # 8-bit V in the V layout (kernels/fp8.py): a block's bytes token-minor
     v_in_blk = off + dims * BLOCK_SIZE if V_LAYOUT else in_blk
     scale_off = blk * stride_sb + heads * stride_sh + off
-    _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, k_cache_ptr,
-                k_scale_ptr, steps_ptr, blk * stride_kcb + heads * stride_kch + in_blk, scale_off,
-                mask, row_mask, open_k_ptr, open_off, open_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS,
-                OPEN)
-    _store_rows(v_ptr + tok * stride_vn + heads * stride_vh + dims, v_cache_ptr,
-                v_scale_ptr, steps_ptr, blk * stride_vcb + heads * stride_vch + v_in_blk, scale_off,
-                mask, row_mask, open_v_ptr, open_off, open_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS,
-                OPEN)
+    if MIRROR:  # (the same block size and order: the same offsets inside a block)
+        m_slot = tl.load(mirror_slot_ptr + tok).to(tl.int64)
+        m_blk, m_off = m_slot // BLOCK_SIZE, m_slot % BLOCK_SIZE
+        m_in_blk = m_off * stride_cs + dims
+        m_v_in_blk = m_off + dims * BLOCK_SIZE if V_LAYOUT else m_in_blk
+        m_k_off = m_blk * stride_mkb + heads * stride_mkh + m_in_blk
+        m_v_off = m_blk * stride_mvb + heads * stride_mvh + m_v_in_blk
+        m_scale_off = m_blk * stride_msb + heads * stride_msh + m_off
+        m_row_mask = (heads < num_heads) & (m_slot >= 0)
+    else:
+        m_k_off, m_v_off, m_scale_off, m_row_mask = 0, 0, 0, row_mask & False
+    m_mask = m_row_mask & dim_ok
+    _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, steps_ptr, mask,
+                k_cache_ptr, blk * stride_kcb + heads * stride_kch + in_blk, k_scale_ptr,
+                scale_off, row_mask, open_k_ptr, open_off, open_mask, mirror_k_ptr, m_k_off,
+                mirror_ks_ptr, m_scale_off, m_mask, m_row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS,
+                OPEN, MIRROR)
+    _store_rows(v_ptr + tok * stride_vn + heads * stride_vh + dims, steps_ptr, mask,
+                v_cache_ptr, blk * stride_vcb + heads * stride_vch + v_in_blk, v_scale_ptr,
+                scale_off, row_mask, open_v_ptr, open_off, open_mask, mirror_v_ptr, m_v_off,
+                mirror_vs_ptr, m_scale_off, m_mask, m_row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS,
+                OPEN, MIRROR)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor,
              scales: tuple[torch.Tensor, torch.Tensor] | None = None,
              open_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             v_layout: bool = True) -> None:
+             v_layout: bool = True, mirror: tuple | None = None) -> None:
     """Write ``k[i]``/``v[i]`` into cache slot ``slot_mapping[i]``, in place; negative slots are
     skipped.
 
@@ -176,7 +204,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``(open_k, open_v, open_slots)``: the same rows also go, cast and unquantised, to slot
     ``open_slots[i]`` (``[N]``, negative: skipped) of ``open_k``/``open_v``, contiguous caches of
     the cache's block and head shape (an 8-bit pool's open blocks, ``kernels/fp8.py``), in the same
-    launch. Does not synchronize; CUDA-graph capturable.
+    launch. ``mirror`` ``(mirror_k, mirror_v, mirror_slots, mirror_scales)``: the stored rows (and
+    8-bit rows' scales, ``mirror_scales`` as ``scales``, else None), bit for bit, also go to slot
+    ``mirror_slots[i]`` (``[N]``, negative: skipped) of ``mirror_k``/``mirror_v``, caches of the
+    cache's dtype, block and head shape (strides as the cache's), in the same launch: rows
+    quantised once for two caches (the tiered store's host store and local blocks). Does not
+    synchronize; CUDA-graph capturable.
     """
     n, num_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -201,6 +234,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         open_slots = open_slots.contiguous()
     else:
         open_k, open_v, open_slots = k_cache, v_cache, slot_mapping  # (never read)
+    if mirror is not None:
+        mirror_k, mirror_v, mirror_slots, mirror_scales = mirror
+        for cache in (mirror_k, mirror_v):
+            assert (cache.shape[1:] == k_cache.shape[1:] and cache.dtype == k_cache.dtype
+                    and cache.stride(3) == 1 and cache.stride(2) == head_dim), (
+                f"mirror {tuple(cache.shape)} {cache.dtype} does not fit cache "
+                f"{tuple(k_cache.shape)} {k_cache.dtype}")
+        assert mirror_slots.shape == (n,) and mirror_slots.dtype in (torch.int32, torch.int64)
+        mirror_slots = mirror_slots.contiguous()
+        mirror_ks, mirror_vs = check_scales(mirror_scales, mirror_k, k.device)
+        assert mirror_ks.stride() == mirror_vs.stride()
+    else:  # (never read)
+        mirror_k, mirror_v, mirror_slots, mirror_ks, mirror_vs = (
+            k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if n == 0:
         return
     # e4m3: the scale search's candidates fill a program of one row each; else a token's rows
@@ -208,13 +255,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_h = 1 if steps > 1 else triton.next_power_of_2(num_heads)
     _store_kv_kernel[(n, triton.cdiv(num_heads, block_h))](
         k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, scale_steps(k.device),
-        open_k, open_v, open_slots,
+        open_k, open_v, open_slots, mirror_k, mirror_v, mirror_ks, mirror_vs, mirror_slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_cache.stride(2), k_scale.stride(0), k_scale.stride(1), open_k.stride(0), open_k.stride(1),
+        mirror_k.stride(0), mirror_k.stride(1), mirror_v.stride(0), mirror_v.stride(1),
+        mirror_ks.stride(0), mirror_ks.stride(1),
         num_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim),
         QMAX=QUANT_MAX.get(k_cache.dtype, 1.0), MIN_AMAX=MIN_AMAX, QUANT=scales is not None,
         INT=k_cache.dtype == INT8, STEPS=steps, OPEN=open_block is not None,
-        V_LAYOUT=scales is not None and v_layout,
+        V_LAYOUT=scales is not None and v_layout, MIRROR=mirror is not None,
     )

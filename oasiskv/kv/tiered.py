@@ -4,11 +4,12 @@ Storage: the host store (every block of every running sequence), the summaries o
 and the per-head working sets (``allocate``). Operations, per layer: ``store`` (new K/V into the
 host store), ``prefill`` (dense attention over the prompt, summaries of its complete blocks, and the
 seeding of each head's working set by the last prompt token's query, without cap),
-``store_local`` / ``attend`` (sparse attention over the K slots + the local block, draft rows
-included), ``complete_local_blocks`` (a filled local block is summarised and promoted into the
-working set) and ``retrieve`` (score, select under the fetch cap, optionally copy). Where and when
-``retrieve`` runs is the retrieval's decision (``kv/retrieval.py``); this file knows nothing of
-drafters or side streams.
+``store_decode`` (a decode step's new K/V into the host store and the local blocks, one launch) /
+``attend`` (sparse attention over the K slots + the local block, draft rows included),
+``complete_local_blocks`` (a filled local block is summarised and promoted into the working set)
+and ``retrieve`` (score, select under the fetch cap, optionally copy). Where and when ``retrieve``
+runs is the retrieval's decision (``kv/retrieval.py``); this file knows nothing of drafters or side
+streams.
 
 Per-step metadata (``TierStep``) comes from the backend's ``prepare``: each row's working-set slot,
 which rows end their prefill, and the draft rows of a lookahead step. ``now`` is the decode step
@@ -317,12 +318,17 @@ class TieredKV:
             summary_dst=torch.where(done, host_block, -1).repeat_interleave(heads),
             now=self.now.clone())
 
-    def store_local(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: DecodeRows) -> None:
-        """Append each row's new K/V ``[N, Hk, D]`` to its local block (and its open block)."""
+    def store_decode(self, layer: int, k: torch.Tensor, v: torch.Tensor, host_slots: torch.Tensor,
+                     rows: DecodeRows) -> None:
+        """Write each row's new K/V ``[N, Hk, D]`` into the host store at ``host_slots`` ``[N]``
+        (``store``) and append it to the row's local block (and its open block): one launch, each
+        row quantised once for both."""
+        host_k, host_v = self.host.layer(layer)
         local_k, local_v = self.ws.local(layer)
-        self._store(k, v, local_k, local_v, rows.local_index, scales=self.ws.local_scales(layer),
+        self._store(k, v, host_k, host_v, host_slots, scales=self.host.layer_scales(layer),
                     open_block=(self.ws.open_k[layer], self.ws.open_v[layer], rows.local_index)
-                    if self.open_blocks else None, v_layout=False)
+                    if self.open_blocks else None, v_layout=False,
+                    mirror=(local_k, local_v, rows.local_index, self.ws.local_scales(layer)))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: TierStep, scale: float) -> torch.Tensor:

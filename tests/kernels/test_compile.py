@@ -19,7 +19,7 @@ def test_decode_kernels_compile_for_sm90_without_spills_in_their_loops():
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     results = [line for line in lines if line.startswith(("ok", "FAILED"))]
-    assert len(results) == 7 and all(line.startswith("ok") for line in results), run.stdout
+    assert len(results) == 8 and all(line.startswith("ok") for line in results), run.stdout
     for line in results:
         if "decode" in line:
             assert "(0 local accesses in loops)" in line, line

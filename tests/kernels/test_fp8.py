@@ -208,6 +208,45 @@ def test_store_kv_copies_rows_to_their_open_blocks_in_the_same_launch(fn, kv):
         assert flat[~written].isnan().all()
 
 
+@pytest.mark.parametrize("kv", [FP8, INT8, torch.bfloat16], ids=["fp8", "int8", "bf16"])
+@pytest.mark.parametrize("fn, device", [
+    (store_kv, "cpu"), (store_kv_ref, "cpu"),
+    pytest.param(store_kv, "cuda", marks=pytest.mark.gpu)], ids=["triton", "ref", "compiled"])
+def test_store_kv_mirror_writes_the_same_rows_into_a_second_cache(fn, device, kv, request):
+    """``mirror``: one launch leaves the cache and the mirror (strided views of other shapes: a
+    host-store layer, local blocks) bit for bit as two stores of the reference would, values and
+    scales, V in token order; a row stored in one of them only (a negative slot in the other)
+    too."""
+    if device == "cuda":
+        request.getfixturevalue("cuda_device")
+    gen = torch.Generator().manual_seed(6)
+    n, heads, dim, block = 6, 2, 32, 16
+    k, v = ((torch.randn(n, heads, dim, generator=gen) * 3).bfloat16() for _ in range(2))
+    slots = torch.tensor([0, 17, -1, 5, 47, 18])
+    local = torch.tensor([3, -1, 20, 33, 1, 46])
+    quant = kv != torch.bfloat16
+
+    def caches(blocks, on="cpu"):  # layer 1 of [blocks, 2 layers, heads, block, dim], unwritten
+        def one():
+            shape = (blocks, 2, heads, block, dim)
+            return (blank(shape, kv, on) if quant
+                    else torch.full(shape, NAN, dtype=kv, device=on))[:, 1]
+        scales = (tuple(torch.full((blocks, 2, heads, block), NAN, device=on)[:, 1]
+                        for _ in range(2)) if quant else None)
+        return one(), one(), scales
+
+    (host_k, host_v, host_s), (local_k, local_v, local_s) = caches(4, device), caches(3, device)
+    fn(k.to(device), v.to(device), host_k, host_v, slots.to(device), scales=host_s,
+       v_layout=False, mirror=(local_k, local_v, local.to(device), local_s))
+    for got_k, got_v, got_s, at in ((host_k, host_v, host_s, slots),
+                                    (local_k, local_v, local_s, local)):
+        want_k, want_v, want_s = caches(got_k.shape[0])
+        store_kv_ref(k, v, want_k, want_v, at, scales=want_s, v_layout=False)
+        for got, want in zip((got_k, got_v, *(got_s or ())), (want_k, want_v, *(want_s or ()))):
+            torch.testing.assert_close(bits(got).cpu(), bits(want), rtol=0, atol=0,
+                                       equal_nan=True)
+
+
 @pytest.mark.parametrize("lens,group", [([5, 40, 0, 17], 2), ([64, 33], 4)])
 @pytest.mark.parametrize("block", [16, 32])  # (32: a dense 8-bit pool's default)
 @KV_DTYPES
