@@ -24,8 +24,9 @@ rows x 2,048 blocks x 8 kv heads, K = 128, cap 7, one layer, for 1, 2, 4 and 8 w
 
 ``python -m oasiskv.bench.kernels --store``: ``store_kv`` (one layer's new K/V rows into the paged
 cache) at 46, 128 and 8,192 tokens, bf16 / e4m3 (searched scale) / int8 storage; the 8-bit ones
-also with each row copied to its open block, in the same launch and in a second one, and into a
-pinned host cache (the tiered host store, through UVA) with V in token order and in the V layout.
+also with each row copied to its open block, in the same launch and in a second one, into a
+pinned host cache (the tiered host store, through UVA) with V in token order and in the V layout,
+and into both caches in one launch (tiered decode's store).
 
 ``python -m oasiskv.bench.kernels --sparse [--kv-cache-dtype ...]``: ``sparse_decode_attention``
 at the 128 x 32K tiered point (128 rows, each with a draft row; K = 128, every slot held; 8-bit:
@@ -215,7 +216,8 @@ def bench_store() -> dict:
     dtype (bf16, e4m3 with the searched scale, int8); the 8-bit ones also with each row copied
     to an open block (``+open``: in the same launch; ``+open x2``: a second launch), and into a
     pinned host cache, V in token order (``host``, the tiered host store's) or in the V layout
-    (``host, V layout``: each V row D one-byte writes across PCIe)."""
+    (``host, V layout``: each V row D one-byte writes across PCIe), and into both the host cache
+    and the device cache in one launch (``host+local``: tiered decode's store)."""
     from oasiskv.kernels.fp8 import FP8, INT8, empty_kv
     from oasiskv.kernels.store_kv import store_kv
     dev, block = torch.device("cuda"), 32
@@ -245,6 +247,9 @@ def bench_store() -> dict:
                 for label, v_layout in (("host", False), ("host, V layout", True)):
                     runs[f" {label}"] = functools.partial(store_kv, k, v, host_k, host_v, slots,
                                                           host_scales, v_layout=v_layout)
+                runs[" host+local"] = functools.partial(  # (tiered decode: the local blocks too)
+                    store_kv, k, v, host_k, host_v, slots, host_scales, v_layout=False,
+                    mirror=(k_cache, v_cache, slots, scales))
             for label, fn in runs.items():
                 us = 1e3 * _graph_median_ms(fn)
                 name = str(kv).removeprefix("torch.") + label
