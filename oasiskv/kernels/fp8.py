@@ -26,8 +26,8 @@ pairs only one byte per shared-memory load (16-bit values have a transposing mat
 have none); token-minor, they load as words, and with 32-token blocks FP8 paged decode reads 3.8
 TB/s where it read 2.9 (docs/benchmarks.md section 30). The tiered store (host store, working
 sets, local blocks) keeps 8-bit V in token order, as K: decode writes each token's row into the
-host store across PCIe, where a token-minor row is D one-byte writes (at 64 x 32K the store
-kernel then took 5.9 ms of a 29 ms step, against 0.3 in token order), and sparse decode's
+host store across PCIe, where a token-minor row is D one-byte writes (at 64 x 32K on an H100 the
+store kernel then took 5.9 ms of a 29 ms step, 0.36 before the V layout), and sparse decode's
 one-warp tiles read token-order sets faster (docs/benchmarks.md section 39). Whole blocks move as
 bytes between the host store, working sets and transfers, which share the order. Scales keep one
 per token, in token order.
