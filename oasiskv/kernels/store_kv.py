@@ -122,6 +122,21 @@ def _store_rows(x_ptr, steps_ptr, mask, cache_ptr, cache_off, scale_ptr, scale_o
 
 
 @triton.jit
+def _slot_offsets(slot, heads, dims, stride_kb, stride_kh, stride_vb, stride_vh, stride_sb,
+                  stride_sh, stride_t, BLOCK_SIZE: tl.constexpr, V_LAYOUT: tl.constexpr):
+    """Offsets of token slot ``slot``'s rows ``[BLOCK_H, BLOCK_D]`` (``heads`` ``[BLOCK_H, 1]``,
+    ``dims`` ``[1, BLOCK_D]``) in a K cache and a V cache of those block / head strides, whose
+    tokens lie ``stride_t`` apart in a block (V in the V layout where V_LAYOUT: a block's bytes
+    token-minor, ``kernels/fp8.py``), and of their scales ``[BLOCK_H, 1]``."""
+    blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    in_blk = off * stride_t + dims
+    v_in_blk = off + dims * BLOCK_SIZE if V_LAYOUT else in_blk
+    return (blk * stride_kb + heads * stride_kh + in_blk,
+            blk * stride_vb + heads * stride_vh + v_in_blk,
+            blk * stride_sb + heads * stride_sh + off)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, steps_ptr,
     open_k_ptr, open_v_ptr, open_slot_ptr,
@@ -144,43 +159,36 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    row_mask = (heads < num_heads) & (slot >= 0)
-    dim_ok = dims < head_dim
+    head_ok, dim_ok = heads < num_heads, dims < head_dim
+    row_mask = head_ok & (slot >= 0)
     mask = row_mask & dim_ok
-    if OPEN:
+    k_off, v_off, scale_off = _slot_offsets(slot, heads, dims, stride_kcb, stride_kch, stride_vcb,
+                                            stride_vch, stride_sb, stride_sh, stride_cs,
+                                            BLOCK_SIZE, V_LAYOUT)
+    if OPEN:  # (contiguous blocks of the cache's shape, unquantised: rows in token order)
         open_slot = tl.load(open_slot_ptr + tok).to(tl.int64)
-        open_mask = (heads < num_heads) & (open_slot >= 0) & (dims < head_dim)
-        open_off = ((open_slot // BLOCK_SIZE) * stride_ob + heads * stride_oh
-                    + (open_slot % BLOCK_SIZE) * head_dim + dims)
+        open_mask = head_ok & (open_slot >= 0) & dim_ok
+        open_off, _, _ = _slot_offsets(open_slot, heads, dims, stride_ob, stride_oh, stride_ob,
+                                       stride_oh, 0, 0, head_dim, BLOCK_SIZE, False)
     else:
         open_mask, open_off = mask & False, 0
-    blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    in_blk = off * stride_cs + dims
-    # 8-bit V in the V layout (kernels/fp8.py): a block's bytes token-minor
-    v_in_blk = off + dims * BLOCK_SIZE if V_LAYOUT else in_blk
-    scale_off = blk * stride_sb + heads * stride_sh + off
-    if MIRROR:  # (the same block size and order: the same offsets inside a block)
+    if MIRROR:
         m_slot = tl.load(mirror_slot_ptr + tok).to(tl.int64)
-        m_blk, m_off = m_slot // BLOCK_SIZE, m_slot % BLOCK_SIZE
-        m_in_blk = m_off * stride_cs + dims
-        m_v_in_blk = m_off + dims * BLOCK_SIZE if V_LAYOUT else m_in_blk
-        m_k_off = m_blk * stride_mkb + heads * stride_mkh + m_in_blk
-        m_v_off = m_blk * stride_mvb + heads * stride_mvh + m_v_in_blk
-        m_scale_off = m_blk * stride_msb + heads * stride_msh + m_off
-        m_row_mask = (heads < num_heads) & (m_slot >= 0)
+        m_k_off, m_v_off, m_scale_off = _slot_offsets(
+            m_slot, heads, dims, stride_mkb, stride_mkh, stride_mvb, stride_mvh, stride_msb,
+            stride_msh, stride_cs, BLOCK_SIZE, V_LAYOUT)
+        m_row_mask = head_ok & (m_slot >= 0)
     else:
         m_k_off, m_v_off, m_scale_off, m_row_mask = 0, 0, 0, row_mask & False
     m_mask = m_row_mask & dim_ok
     _store_rows(k_ptr + tok * stride_kn + heads * stride_kh + dims, steps_ptr, mask,
-                k_cache_ptr, blk * stride_kcb + heads * stride_kch + in_blk, k_scale_ptr,
-                scale_off, row_mask, open_k_ptr, open_off, open_mask, mirror_k_ptr, m_k_off,
-                mirror_ks_ptr, m_scale_off, m_mask, m_row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS,
-                OPEN, MIRROR)
+                k_cache_ptr, k_off, k_scale_ptr, scale_off, row_mask, open_k_ptr, open_off,
+                open_mask, mirror_k_ptr, m_k_off, mirror_ks_ptr, m_scale_off, m_mask,
+                m_row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS, OPEN, MIRROR)
     _store_rows(v_ptr + tok * stride_vn + heads * stride_vh + dims, steps_ptr, mask,
-                v_cache_ptr, blk * stride_vcb + heads * stride_vch + v_in_blk, v_scale_ptr,
-                scale_off, row_mask, open_v_ptr, open_off, open_mask, mirror_v_ptr, m_v_off,
-                mirror_vs_ptr, m_scale_off, m_mask, m_row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS,
-                OPEN, MIRROR)
+                v_cache_ptr, v_off, v_scale_ptr, scale_off, row_mask, open_v_ptr, open_off,
+                open_mask, mirror_v_ptr, m_v_off, mirror_vs_ptr, m_scale_off, m_mask,
+                m_row_mask, QMAX, MIN_AMAX, QUANT, INT, STEPS, OPEN, MIRROR)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
