@@ -8,7 +8,8 @@
 # HOST_GIB (default 96) sizes the oasis host store for oasis-real; the machine needs that much free RAM.
 # REAL_LENS / REAL_MODES narrow oasis-real (e.g. REAL_LENS=32768 REAL_MODES="sync ngram"); REAL_MAX_SEQS
 # (default 64) bounds its oasis batch (a larger host store holds more requests). EMU_PREFETCH (default
-# "async off") narrows oasis-emulated.
+# "async off") narrows oasis-emulated. EMU_HOST_GIB (default 700) sizes the emulated host of every
+# EMULATED stage: its block ids' summaries live in HBM (330 holds 128 x 32K in FP8 and fits an H100).
 # Needs the fixture models in .fixtures/pycode-19m (or OASISKV_FIXTURES). Writes logs to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,7 +91,7 @@ for stage in $stages; do
       # (OPEN_BLOCK: --kv-open-block, default model)
       for prefetch in ${EMU_PREFETCH:-async off}; do
         bench "emulated-$prefetch" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
-          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
+          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib "${EMU_HOST_GIB:-700}" --draft ngram \
           --prefetch "$prefetch" --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE" \
           --kv-open-block "${OPEN_BLOCK:-model}"
       done ;;
@@ -106,7 +107,7 @@ for stage in $stages; do
             --kv-cache-dtype "$KV_DTYPE"
         else
           bench "$run" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 --max-num-seqs 128 \
-            --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram --prefetch async \
+            --kv-mode oasis --host-kv-gib 16 --emulated-host-gib "${EMU_HOST_GIB:-700}" --draft ngram --prefetch async \
             --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE"
         fi
       done
@@ -129,21 +130,21 @@ for stage in $stages; do
       done
       for dt in auto fp8; do
         bench "emulated-$dt" --context-lens 32768 --concurrency "${EMU_CONC:-64}" --output-lens 32 \
-          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
+          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib "${EMU_HOST_GIB:-700}" --draft ngram \
           --kv-cache-dtype "$dt"
       done ;;
     moe-bench)  # Qwen3-30B-A3B shape: dense, then oasis (EMULATED host, ngram, async), 16K and 32K, max
       # batch; MOE_MODES / MOE_LENS narrow it, MOE_MAX_SEQS (default 128) bounds the oasis batch
       for mode in ${MOE_MODES:-dense oasis}; do
         flags=(--context-lens "${MOE_LENS:-16384,32768}" --concurrency max --output-lens 32)
-        [ "$mode" = oasis ] && flags+=(--kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram
+        [ "$mode" = oasis ] && flags+=(--kv-mode oasis --host-kv-gib 16 --emulated-host-gib "${EMU_HOST_GIB:-700}" --draft ngram
                                        --max-num-seqs "${MOE_MAX_SEQS:-128}")
         BENCH_MODEL=qwen3-30b-a3b bench "moe-$mode" "${flags[@]}"
       done ;;
     guardrail-cost)  # the guardrail's price: EMULATED host, 64 x 32K, ngram, async, R = 0 then 0.01
       for rate in ${GUARD_RATES:-0 0.01}; do
         bench "guardrail-$rate" --context-lens 32768 --concurrency 64 --output-lens 32 \
-          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
+          --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib "${EMU_HOST_GIB:-700}" --draft ngram \
           --guardrail-rate "$rate"
       done ;;
     metrics)  # a real tiered server's /metrics under load (real host store, guardrail on)
@@ -163,7 +164,7 @@ for stage in $stages; do
             --output-lens 32 --tensor-parallel-size "$size"
           BENCH_MODEL=$model bench "tp$size-$model-oasis" --context-lens 32768 --concurrency max \
             --output-lens 32 --max-num-seqs 128 --tensor-parallel-size "$size" --kv-mode oasis \
-            --host-kv-gib 16 --emulated-host-gib 700 --draft ngram
+            --host-kv-gib 16 --emulated-host-gib "${EMU_HOST_GIB:-700}" --draft ngram
         done
       done ;;
     pd-smoke)  # 1 GPU: the disaggregated path on CUDA, both workers sharing the GPU (0.4 of its memory
@@ -268,7 +269,7 @@ for stage in $stages; do
       summary+=("profile: $(grep -h 'host wall' "$OUT"/profile_dense.log | tr '\n' ' ')") ;;
     profile-oasis)  # the oasis-emulated point, prefetch async then off: per-stream kernel time
       python3 scripts/profile_decode.py qwen3-8b --context-lens 32768 --concurrency "${EMU_CONC:-64}" \
-        --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib 700 --draft ngram \
+        --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 --emulated-host-gib "${EMU_HOST_GIB:-700}" --draft ngram \
         --kv-cache-dtype "$KV_DTYPE" --summary-dtype "$SUMMARY_DTYPE" --compare-prefetch-off --python-top "${PYTHON_TOP:-0}" 2>&1 | tee "$OUT/profile_oasis.log" \
         | grep -v '^{'
       summary+=("profile-oasis: $(grep -h 'host wall' "$OUT"/profile_oasis.log | tr '\n' ' ')") ;;
@@ -279,7 +280,7 @@ for stage in $stages; do
       for tree in ${PROFILE_TREES:-after}; do
         PYTHONPATH=$(tree_dir "$tree") python3 -P scripts/profile_decode.py qwen3-8b --context-lens 32768 \
           --concurrency "${EMU_CONC:-128}" --max-num-seqs 128 --kv-mode oasis --host-kv-gib 16 \
-          --emulated-host-gib 700 --draft ngram --kv-cache-dtype "$KV_DTYPE" --prefetch off \
+          --emulated-host-gib "${EMU_HOST_GIB:-700}" --draft ngram --kv-cache-dtype "$KV_DTYPE" --prefetch off \
           --host-stages ${SHARED_PROMPTS:+--shared-prompts} 2>&1 | tee "$OUT/profile_host_$tree.log" | grep -v '^{'
         summary+=("profile-host $tree: $(grep -h -E 'host wall|next replay|idle' "$OUT/profile_host_$tree.log" | tr '\n' ' ')")
       done ;;
