@@ -88,14 +88,6 @@ class WorkingSet:
         self.map[layer][slots] = -1
         self.last[layer][slots] = 0
 
-    def select_and_fetch(self, layer: int, host: HostStore, slots: torch.Tensor,
-                         block_tables: torch.Tensor, scores: torch.Tensor, cap: int,
-                         now: torch.Tensor, counters: torch.Tensor | None = None) -> None:
-        """Apply a selection for rows ``slots`` ``[N]`` from ``scores`` ``[N, Hk, M]`` and copy the
-        admitted blocks' slices from the host store into their slots."""
-        self.fetch(layer, host, slots,
-                   *self.plan(layer, slots, block_tables, scores, cap, now, counters))
-
     def plan(self, layer: int, slots: torch.Tensor, block_tables: torch.Tensor,
              scores: torch.Tensor, cap: int, now: torch.Tensor,
              counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
